@@ -1,0 +1,230 @@
+//! The iteration loop. Each step: take new requests, drop cancelled ones, ask the scheduler for a plan,
+//! apply it to the allocator, run one forward pass on the shards (the only `.await` on the hot path),
+//! then apply the sampled tokens: text, stop checks, events, and freeing the blocks of finished sequences.
+
+use std::{
+    collections::{HashSet, VecDeque},
+    sync::{atomic::Ordering, Arc},
+};
+
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc;
+
+use super::{
+    request::{Sequence, TokenOutcome},
+    EngineError, EngineStats, NewRequest, RequestId,
+};
+use crate::{
+    kv::BlockAllocator,
+    scheduler::{schedule, SchedulerConfig, StepPlan},
+    shard::{pb, ShardClient},
+};
+
+pub struct EngineCore {
+    shards: Arc<dyn ShardClient>,
+    tokenizer: Arc<Tokenizer>,
+    eos_token_ids: HashSet<u32>,
+    config: SchedulerConfig,
+    allocator: BlockAllocator,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    /// Sequences the shards hold state for that are gone since the last call; sent with the next call.
+    released_ids: Vec<u64>,
+    inbox: mpsc::UnboundedReceiver<NewRequest>,
+    stats: Arc<EngineStats>,
+}
+
+impl EngineCore {
+    pub fn new(
+        shards: Arc<dyn ShardClient>,
+        tokenizer: Arc<Tokenizer>,
+        eos_token_ids: HashSet<u32>,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        inbox: mpsc::UnboundedReceiver<NewRequest>,
+        stats: Arc<EngineStats>,
+    ) -> Self {
+        let core = Self {
+            shards,
+            tokenizer,
+            eos_token_ids,
+            config,
+            allocator,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            released_ids: Vec::new(),
+            inbox,
+            stats,
+        };
+        core.publish_stats();
+        core
+    }
+
+    /// Runs until every `EngineHandle` is dropped.
+    pub async fn run(mut self) {
+        loop {
+            if self.waiting.is_empty() && self.running.is_empty() {
+                match self.inbox.recv().await {
+                    Some(new) => self.waiting.push_back(Sequence::new(new)),
+                    None => return,
+                }
+            }
+            while let Ok(new) = self.inbox.try_recv() {
+                self.waiting.push_back(Sequence::new(new));
+            }
+            self.drop_cancelled();
+            if self.waiting.is_empty() && self.running.is_empty() {
+                continue;
+            }
+            self.step().await;
+            if cfg!(debug_assertions) {
+                self.allocator.check_invariants();
+            }
+            self.publish_stats();
+        }
+    }
+
+    async fn step(&mut self) {
+        let running: Vec<_> = self.running.iter().map(Sequence::view).collect();
+        let waiting: Vec<_> = self.waiting.iter().map(Sequence::view).collect();
+        let plan = schedule(
+            &self.config,
+            &running,
+            &waiting,
+            self.allocator.num_free_blocks() as usize,
+        );
+        if plan.scheduled.is_empty() {
+            // Nothing can run although the pool is as empty as it gets: the queue head can never fit.
+            if self.running.is_empty() {
+                if let Some(seq) = self.waiting.pop_front() {
+                    seq.fail(EngineError::Shard("the request does not fit the KV pool".into()));
+                }
+            }
+            return;
+        }
+        let is_decode = plan.is_decode_only();
+        let request = self.apply_plan(&plan);
+        let started = std::time::Instant::now();
+        let result = self.shards.forward(request, is_decode).await;
+        tracing::debug!(
+            sequences = plan.scheduled.len(),
+            tokens = plan.num_scheduled_tokens(),
+            elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+            "step"
+        );
+        self.stats.num_steps.fetch_add(1, Ordering::Relaxed);
+        match result {
+            Ok(response) => self.apply_outputs(&plan, response),
+            Err(e) => self.fail_all(e.to_string()).await,
+        }
+    }
+
+    /// Moves sequences between queues and allocates blocks as the plan says; builds the forward call.
+    fn apply_plan(&mut self, plan: &StepPlan) -> pb::ForwardRequest {
+        for &id in &plan.preempted {
+            let i = self.running_index(id);
+            let mut seq = self.running.remove(i);
+            tracing::info!(request_id = %id, "preempted: KV pool full; it will be recomputed");
+            self.release(&mut seq);
+            self.waiting.push_front(seq);
+        }
+        for &id in &plan.admitted {
+            let seq = self.waiting.pop_front().expect("admitted requests are the head of the queue");
+            debug_assert_eq!(seq.id, id);
+            self.running.push(seq);
+        }
+        let mut chunks = Vec::with_capacity(plan.scheduled.len());
+        for scheduled in &plan.scheduled {
+            let i = self.running_index(scheduled.id);
+            let blocks = self
+                .allocator
+                .allocate(scheduled.num_new_blocks as u32)
+                .expect("the plan fits the free blocks");
+            let seq = &mut self.running[i];
+            seq.blocks.extend(blocks);
+            chunks.push(seq.chunk(scheduled.num_scheduled_tokens));
+        }
+        pb::ForwardRequest {
+            released_ids: std::mem::take(&mut self.released_ids),
+            sequences: chunks,
+        }
+    }
+
+    fn apply_outputs(&mut self, plan: &StepPlan, response: pb::ForwardResponse) {
+        for scheduled in &plan.scheduled {
+            let i = self.running_index(scheduled.id);
+            self.running[i].num_computed_tokens += scheduled.num_scheduled_tokens;
+        }
+        for generation in &response.generations {
+            let id = RequestId(generation.id);
+            let i = self.running_index(id);
+            let outcome = self.running[i].append_token(&self.tokenizer, &self.eos_token_ids, generation);
+            if let TokenOutcome::Finished = outcome {
+                let mut seq = self.running.remove(i);
+                self.release(&mut seq);
+            }
+        }
+    }
+
+    /// Cancels sequences whose clients have gone, wherever they are.
+    fn drop_cancelled(&mut self) {
+        let mut cancelled = Vec::new();
+        self.waiting.retain(|seq| !seq.is_cancelled());
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].is_cancelled() {
+                cancelled.push(self.running.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        for mut seq in cancelled {
+            tracing::info!(request_id = %seq.id, "cancelled: the client went away");
+            self.release(&mut seq);
+        }
+    }
+
+    /// Returns a sequence's blocks to the pool and tells the shards to drop its state on the next call.
+    fn release(&mut self, seq: &mut Sequence) {
+        if seq.is_known_to_shards {
+            self.released_ids.push(seq.id.0);
+        }
+        let blocks = seq.reset_kv();
+        self.allocator
+            .free(&blocks)
+            .expect("a sequence only holds blocks it was given");
+    }
+
+    /// A failed forward leaves the shards' state unknown: every running request fails, the shards are
+    /// cleared, and waiting requests start afresh.
+    async fn fail_all(&mut self, message: String) {
+        tracing::error!(%message, "forward pass failed; failing the running requests");
+        for mut seq in std::mem::take(&mut self.running) {
+            seq.fail(EngineError::Shard(message.clone()));
+            self.release(&mut seq);
+        }
+        self.released_ids.clear();
+        if let Err(e) = self.shards.clear_cache().await {
+            tracing::error!(error = %e, "clearing the shards' cache failed");
+        }
+    }
+
+    fn running_index(&self, id: RequestId) -> usize {
+        self.running
+            .iter()
+            .position(|seq| seq.id == id)
+            .expect("the plan and the shards only name running sequences")
+    }
+
+    fn publish_stats(&self) {
+        let stats = &self.stats;
+        stats
+            .num_total_blocks
+            .store(self.allocator.num_usable_blocks(), Ordering::Relaxed);
+        stats
+            .num_free_blocks
+            .store(self.allocator.num_free_blocks(), Ordering::Relaxed);
+        stats.num_waiting.store(self.waiting.len() as u32, Ordering::Relaxed);
+        stats.num_running.store(self.running.len() as u32, Ordering::Relaxed);
+    }
+}

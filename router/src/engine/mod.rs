@@ -1,0 +1,106 @@
+//! The engine: one tokio task (`core`) owns every mutable serving state — the waiting queue, the running
+//! sequences, the KV block allocator — and runs the iteration loop. Handlers talk to it through an
+//! `EngineHandle`: submit a `ValidRequest`, receive a stream of `TokenEvent`s.
+
+mod core;
+mod request;
+
+use std::sync::{
+    atomic::{AtomicU32, AtomicU64, Ordering},
+    Arc,
+};
+
+use thiserror::Error;
+use tokio::sync::mpsc;
+
+pub use self::core::EngineCore;
+use crate::{api::FinishReason, validation::ValidRequest};
+
+/// A request's id, unique for the router's lifetime; it is also the sequence id the shards see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+#[derive(Debug, Clone, Error)]
+pub enum EngineError {
+    #[error("the model shards failed: {0}")]
+    Shard(String),
+    #[error("the engine is shutting down")]
+    Closed,
+}
+
+/// One generated token and the text it released.
+#[derive(Debug, Clone)]
+pub struct TokenEvent {
+    pub token_id: u32,
+    /// Text safe to show now (never half a character, never a possible stop-sequence prefix).
+    pub text: String,
+    pub logprob: f32,
+    pub is_special: bool,
+    /// Set on the last event of the request.
+    pub end: Option<EndEvent>,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone)]
+pub struct EndEvent {
+    pub finish_reason: FinishReason,
+    /// All text released, i.e. the concatenation of every event's `text`.
+    pub generated_text: String,
+    pub num_generated_tokens: u32,
+    pub num_prompt_tokens: u32,
+}
+
+pub type EventSender = mpsc::UnboundedSender<Result<TokenEvent, EngineError>>;
+pub type EventReceiver = mpsc::UnboundedReceiver<Result<TokenEvent, EngineError>>;
+
+/// A validated request on its way into the engine.
+pub struct NewRequest {
+    pub id: RequestId,
+    pub request: ValidRequest,
+    pub events: EventSender,
+}
+
+/// Counters the engine publishes after every step, read by `/info` and tests without a round trip.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub num_total_blocks: AtomicU32,
+    pub num_free_blocks: AtomicU32,
+    pub num_waiting: AtomicU32,
+    pub num_running: AtomicU32,
+    pub num_steps: AtomicU64,
+}
+
+/// The handlers' side of the engine: cheap to clone.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inbox: mpsc::UnboundedSender<NewRequest>,
+    next_id: Arc<AtomicU64>,
+    pub stats: Arc<EngineStats>,
+}
+
+impl EngineHandle {
+    pub fn new(inbox: mpsc::UnboundedSender<NewRequest>, stats: Arc<EngineStats>) -> Self {
+        Self {
+            inbox,
+            next_id: Arc::new(AtomicU64::new(1)),
+            stats,
+        }
+    }
+
+    /// Queues a request. Dropping the receiver cancels it: the engine notices within one iteration,
+    /// tells the shards, and frees its blocks.
+    pub fn submit(&self, request: ValidRequest) -> Result<(RequestId, EventReceiver), EngineError> {
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (events, receiver) = mpsc::unbounded_channel();
+        self.inbox
+            .send(NewRequest { id, request, events })
+            .map_err(|_| EngineError::Closed)?;
+        Ok((id, receiver))
+    }
+}

@@ -1,0 +1,167 @@
+//! One sequence's state inside the engine: its tokens, its KV blocks, and its text pipeline
+//! (incremental detokenization, then the stop-sequence hold-back).
+
+use std::collections::HashSet;
+
+use tokenizers::Tokenizer;
+
+use super::{EndEvent, EventSender, NewRequest, RequestId, TokenEvent};
+use crate::{
+    api::FinishReason,
+    scheduler::SeqView,
+    shard::pb,
+    text::{IncrementalDetokenizer, StopMatcher},
+    validation::ValidRequest,
+};
+
+pub struct Sequence {
+    pub id: RequestId,
+    /// Prompt followed by the generated tokens.
+    pub token_ids: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    /// Tokens whose K/V are in the blocks below.
+    pub num_computed_tokens: usize,
+    /// KV block ids in position order.
+    pub blocks: Vec<u32>,
+    /// Whether the shards hold this sequence's sampling params (false again after a preemption).
+    pub is_known_to_shards: bool,
+    request: ValidRequest,
+    events: EventSender,
+    detokenizer: IncrementalDetokenizer,
+    stop: StopMatcher,
+    generated_text: String,
+}
+
+/// What applying a sampled token did to a sequence.
+pub enum TokenOutcome {
+    Continue,
+    Finished,
+}
+
+impl Sequence {
+    pub fn new(new: NewRequest) -> Self {
+        let NewRequest { id, request, events } = new;
+        Self {
+            id,
+            token_ids: request.prompt_ids.clone(),
+            num_prompt_tokens: request.prompt_ids.len(),
+            num_computed_tokens: 0,
+            blocks: Vec::new(),
+            is_known_to_shards: false,
+            detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, true),
+            stop: StopMatcher::new(request.stop_sequences.clone()),
+            generated_text: String::new(),
+            request,
+            events,
+        }
+    }
+
+    pub fn view(&self) -> SeqView {
+        SeqView {
+            id: self.id,
+            num_tokens: self.token_ids.len(),
+            num_computed_tokens: self.num_computed_tokens,
+            num_blocks: self.blocks.len(),
+        }
+    }
+
+    pub fn num_generated_tokens(&self) -> usize {
+        self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// The client has gone (its receiver was dropped).
+    pub fn is_cancelled(&self) -> bool {
+        self.events.is_closed()
+    }
+
+    /// This sequence's part of a forward call computing `num_tokens` of its tokens.
+    pub fn chunk(&mut self, num_tokens: usize) -> pb::SequenceChunk {
+        let start = self.num_computed_tokens;
+        let end = start + num_tokens;
+        let sampling = &self.request.sampling;
+        let params = (!self.is_known_to_shards).then(|| pb::SamplingParams {
+            do_sample: sampling.do_sample,
+            temperature: sampling.temperature,
+            top_k: sampling.top_k,
+            top_p: sampling.top_p,
+            seed: sampling.seed,
+        });
+        self.is_known_to_shards = true;
+        pb::SequenceChunk {
+            id: self.id.0,
+            token_ids: self.token_ids[start..end].to_vec(),
+            num_computed_tokens: start as u32,
+            block_table: self.blocks.clone(),
+            sample: end == self.token_ids.len(),
+            params,
+        }
+    }
+
+    /// Appends a sampled token, releases the text it completes, and decides whether generation ends.
+    pub fn append_token(
+        &mut self,
+        tokenizer: &Tokenizer,
+        eos_token_ids: &HashSet<u32>,
+        generation: &pb::Generation,
+    ) -> TokenOutcome {
+        let token_id = generation.token_id;
+        self.token_ids.push(token_id);
+        let mut finish = None;
+        let piece = self.detokenizer.push(tokenizer, token_id).unwrap_or_default();
+        let mut outcome = self.stop.push(&piece);
+        if outcome.stopped.is_some() {
+            finish = Some(FinishReason::StopSequence);
+        } else if eos_token_ids.contains(&token_id) {
+            finish = Some(FinishReason::EosToken);
+        } else if self.num_generated_tokens() >= self.request.max_new_tokens as usize {
+            finish = Some(FinishReason::Length);
+        }
+        if matches!(finish, Some(FinishReason::EosToken | FinishReason::Length)) {
+            // Release what was held back: the detokenizer's tail, then the stop matcher's.
+            let tail = self.detokenizer.flush(tokenizer).unwrap_or_default();
+            let last = self.stop.push(&tail);
+            outcome.text.push_str(&last.text);
+            if last.stopped.is_some() {
+                finish = Some(FinishReason::StopSequence);
+            } else {
+                outcome.text.push_str(&self.stop.flush());
+            }
+        }
+        self.generated_text.push_str(&outcome.text);
+        let end = finish.map(|finish_reason| EndEvent {
+            finish_reason,
+            generated_text: self.generated_text.clone(),
+            num_generated_tokens: self.num_generated_tokens() as u32,
+            num_prompt_tokens: self.num_prompt_tokens as u32,
+        });
+        let is_finished = end.is_some();
+        let is_special = tokenizer
+            .id_to_token(token_id)
+            .is_some_and(|token| tokenizer.get_added_vocabulary().is_special_token(&token));
+        // A send fails only when the client has gone; the next iteration then cancels the sequence.
+        let _ = self.events.send(Ok(TokenEvent {
+            token_id,
+            text: outcome.text,
+            logprob: generation.logprob,
+            is_special,
+            end,
+        }));
+        if is_finished {
+            TokenOutcome::Finished
+        } else {
+            TokenOutcome::Continue
+        }
+    }
+
+    /// Ends the request with an error event.
+    pub fn fail(&self, error: super::EngineError) {
+        let _ = self.events.send(Err(error));
+    }
+
+    /// Forgets the sequence's K/V (after a preemption): it will be recomputed from its tokens.
+    pub fn reset_kv(&mut self) -> Vec<u32> {
+        self.num_computed_tokens = 0;
+        self.is_known_to_shards = false;
+        std::mem::take(&mut self.blocks)
+    }
+}

@@ -1,0 +1,127 @@
+//! rill-router: connects to the model shards, sizes the KV pool, starts the engine loop, serves HTTP.
+//! Usually started by `launcher.py`; run `rill-router --help` for the flags.
+
+mod api;
+mod config;
+mod engine;
+mod http;
+mod kv;
+mod scheduler;
+mod shard;
+mod text;
+mod validation;
+
+use std::{collections::HashSet, sync::Arc, time::Duration};
+
+use anyhow::Context;
+use clap::Parser;
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::{
+    config::{Args, Config},
+    engine::{EngineCore, EngineHandle, EngineStats},
+    kv::BlockAllocator,
+    scheduler::SchedulerConfig,
+    shard::{pb, GrpcShards, ShardClient},
+    validation::Validator,
+};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let config = Config::from_args(Args::parse())?;
+
+    let tokenizer_path = config.model_id.join("tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        .map_err(|e| anyhow::anyhow!("cannot load {}: {e}", tokenizer_path.display()))?;
+    let tokenizer = Arc::new(tokenizer);
+
+    let shards = GrpcShards::connect(
+        &config.shard_sockets,
+        Duration::from_secs(config.shard_connect_timeout_s),
+    )
+    .await?;
+    tracing::info!(ranks = shards.num_ranks(), "connected to the shards");
+    let shards: Arc<dyn ShardClient> = Arc::new(shards);
+    let shard_info = shards.info().await.context("shard Info failed")?;
+    tracing::info!(?shard_info, "shard info");
+
+    tracing::info!("warming up: sizing the KV pool");
+    let warmup = shards
+        .warmup(pb::WarmupRequest {
+            max_batch_tokens: config.batch.max_batch_tokens,
+            max_batch_size: config.batch.max_batch_size,
+            max_total_kv_tokens: config.batch.max_batch_total_tokens,
+        })
+        .await
+        .context("shard Warmup failed")?;
+    let allocator = BlockAllocator::new(warmup.num_blocks);
+    let block_size = shard_info.block_size as usize;
+    let num_usable_blocks = allocator.num_usable_blocks() as usize;
+    anyhow::ensure!(num_usable_blocks > 0, "the shards' KV pool has no usable block");
+    // Admission leaves 1% of the pool (at least one block) for running sequences to grow into.
+    let watermark_blocks = (num_usable_blocks / 100).max(1).min(num_usable_blocks - 1);
+    tracing::info!(
+        blocks = num_usable_blocks,
+        block_size,
+        kv_tokens = num_usable_blocks * block_size,
+        "KV pool ready"
+    );
+
+    let scheduler_config = SchedulerConfig {
+        max_batch_tokens: config.batch.max_batch_tokens as usize,
+        max_batch_size: config.batch.max_batch_size as usize,
+        block_size,
+        watermark_blocks,
+    };
+    let stats = Arc::new(EngineStats::default());
+    let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
+    let eos_token_ids: HashSet<u32> = shard_info.eos_token_ids.iter().copied().collect();
+    let core = EngineCore::new(
+        shards.clone(),
+        tokenizer.clone(),
+        eos_token_ids,
+        scheduler_config,
+        allocator,
+        inbox_rx,
+        stats.clone(),
+    );
+    tokio::spawn(core.run());
+
+    // A single sequence may use the whole pool except the admission watermark.
+    let max_kv_tokens = (num_usable_blocks - watermark_blocks) * block_size;
+    let state = http::AppState {
+        engine: EngineHandle::new(inbox_tx, stats),
+        validator: Validator::new(tokenizer, config.limits.clone(), max_kv_tokens),
+        admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
+        model_id: config.model_id.display().to_string(),
+        shard_info,
+        limits: config.limits.clone(),
+        batch: config.batch.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind(config.addr)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.addr))?;
+    tracing::info!(addr = %config.addr, "serving HTTP");
+    axum::serve(listener, http::app(state))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler cannot fail on unix");
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = terminate.recv() => {}
+    }
+    tracing::info!("shutdown signal received");
+}

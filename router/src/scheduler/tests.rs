@@ -1,0 +1,177 @@
+//! Policy tests: hand-made cases, then a seeded simulation of thousands of steps that executes plans the
+//! way the engine loop does and checks budgets, block accounting, FCFS order and that everything finishes.
+
+use super::*;
+use crate::kv::BlockAllocator;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+fn config(max_batch_tokens: usize, max_batch_size: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_batch_tokens,
+        max_batch_size,
+        block_size: 4,
+        watermark_blocks: 1,
+    }
+}
+
+fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_blocks: usize) -> SeqView {
+    SeqView {
+        id: RequestId(id),
+        num_tokens,
+        num_computed_tokens,
+        num_blocks,
+    }
+}
+
+#[test]
+fn decodes_first_then_prompt_chunks_fill_the_budget() {
+    let running = [seq(1, 9, 8, 2), seq(2, 5, 4, 1)];
+    let waiting = [seq(3, 100, 0, 0)];
+    let plan = schedule(&config(16, 8), &running, &waiting, 100);
+    assert_eq!(plan.scheduled[0], Scheduled { id: RequestId(1), num_scheduled_tokens: 1, num_new_blocks: 1 });
+    assert_eq!(plan.scheduled[1], Scheduled { id: RequestId(2), num_scheduled_tokens: 1, num_new_blocks: 1 });
+    assert_eq!(plan.scheduled[2], Scheduled { id: RequestId(3), num_scheduled_tokens: 14, num_new_blocks: 4 });
+    assert_eq!(plan.admitted, vec![RequestId(3)]);
+    assert!(!plan.is_decode_only());
+}
+
+#[test]
+fn a_long_prompt_continues_in_chunks_next_to_decodes() {
+    let running = [seq(1, 100, 14, 4), seq(2, 5, 4, 1)];
+    let plan = schedule(&config(16, 8), &running, &[], 100);
+    // The younger decode is served before the older prompt's chunk, which gets the rest of the budget.
+    assert_eq!(plan.scheduled[0].id, RequestId(2));
+    assert_eq!(plan.scheduled[0].num_scheduled_tokens, 1);
+    assert_eq!(plan.scheduled[1].id, RequestId(1));
+    assert_eq!(plan.scheduled[1].num_scheduled_tokens, 15);
+    assert_eq!(plan.num_scheduled_tokens(), 16);
+}
+
+#[test]
+fn admission_keeps_the_watermark_and_the_queue_order() {
+    // Request 1 needs 3 blocks; with 3 free and a watermark of 1 it must wait, and request 2 behind it too.
+    let waiting = [seq(1, 12, 0, 0), seq(2, 1, 0, 0)];
+    let plan = schedule(&config(64, 8), &[], &waiting, 3);
+    assert!(plan.scheduled.is_empty());
+    let plan = schedule(&config(64, 8), &[], &waiting, 4);
+    assert_eq!(plan.admitted, vec![RequestId(1)]);
+}
+
+#[test]
+fn preempts_the_newest_when_a_decode_needs_a_block() {
+    let running = [seq(1, 9, 8, 2), seq(2, 9, 8, 2), seq(3, 9, 8, 2)];
+    let plan = schedule(&config(64, 8), &running, &[seq(4, 1, 0, 0)], 0);
+    assert_eq!(plan.preempted, vec![RequestId(3)]);
+    let ids: Vec<_> = plan.scheduled.iter().map(|s| s.id).collect();
+    assert_eq!(ids, vec![RequestId(1), RequestId(2)]);
+    assert!(plan.admitted.is_empty(), "no admission in a step that preempts");
+}
+
+#[test]
+fn the_newest_needy_sequence_preempts_itself() {
+    let running = [seq(1, 9, 8, 2)];
+    let plan = schedule(&config(64, 8), &running, &[], 0);
+    assert_eq!(plan.preempted, vec![RequestId(1)]);
+    assert!(plan.scheduled.is_empty());
+}
+
+#[test]
+fn batch_size_limits_the_forward() {
+    let waiting: Vec<_> = (0..10).map(|i| seq(i, 3, 0, 0)).collect();
+    let plan = schedule(&config(1000, 4), &[], &waiting, 1000);
+    assert_eq!(plan.scheduled.len(), 4);
+}
+
+/// A request in the simulation: its final length and what the engine would track.
+struct SimSeq {
+    view: SeqView,
+    num_final_tokens: usize,
+    blocks: Vec<u32>,
+}
+
+#[test]
+fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
+    let mut rng = StdRng::seed_from_u64(2024);
+    for _ in 0..20 {
+        let cfg = SchedulerConfig {
+            max_batch_tokens: rng.random_range(8..64),
+            max_batch_size: rng.random_range(1..12),
+            block_size: rng.random_range(1..6),
+            watermark_blocks: rng.random_range(0..3),
+        };
+        let num_requests = rng.random_range(1..40);
+        // Every request must fit the pool alone, as validation guarantees.
+        let max_len: usize = 40;
+        let num_blocks = (max_len.div_ceil(cfg.block_size) + cfg.watermark_blocks + rng.random_range(0..30)) as u32 + 1;
+        let mut allocator = BlockAllocator::new(num_blocks);
+        let mut waiting: std::collections::VecDeque<SimSeq> = std::collections::VecDeque::new();
+        let mut running: Vec<SimSeq> = Vec::new();
+        let mut next_arrival = 0u64;
+        let mut admission_order = Vec::new();
+        let mut num_finished = 0;
+        let mut num_steps = 0;
+        while num_finished < num_requests {
+            num_steps += 1;
+            assert!(num_steps < 100_000, "the workload does not finish");
+            if (next_arrival as usize) < num_requests && rng.random_bool(0.3) {
+                let prompt = rng.random_range(1..20);
+                waiting.push_back(SimSeq {
+                    view: seq(next_arrival, prompt, 0, 0),
+                    num_final_tokens: prompt + rng.random_range(1..=(max_len - prompt)),
+                    blocks: Vec::new(),
+                });
+                next_arrival += 1;
+            }
+            let running_views: Vec<_> = running.iter().map(|s| s.view).collect();
+            let waiting_views: Vec<_> = waiting.iter().map(|s| s.view).collect();
+            let plan = schedule(&cfg, &running_views, &waiting_views, allocator.num_free_blocks() as usize);
+
+            assert!(plan.num_scheduled_tokens() <= cfg.max_batch_tokens);
+            assert!(plan.scheduled.len() <= cfg.max_batch_size);
+            for admitted in &plan.admitted {
+                let front = waiting.pop_front().expect("admitted from the front");
+                assert_eq!(front.view.id, *admitted);
+                if front.view.num_computed_tokens == 0 && !admission_order.contains(admitted) {
+                    admission_order.push(*admitted);
+                }
+                running.push(front);
+            }
+            for victim in plan.preempted.iter().rev() {
+                let i = running.iter().position(|s| s.view.id == *victim).expect("victim runs");
+                let mut s = running.remove(i);
+                allocator.free(&s.blocks).expect("victim blocks are owned");
+                s.blocks.clear();
+                s.view.num_blocks = 0;
+                s.view.num_computed_tokens = 0;
+                waiting.push_front(s);
+            }
+            for step in &plan.scheduled {
+                let s = running.iter_mut().find(|s| s.view.id == step.id).expect("scheduled runs");
+                let new = allocator.allocate(step.num_new_blocks as u32).expect("plan fits the free blocks");
+                s.blocks.extend(new);
+                s.view.num_blocks = s.blocks.len();
+                s.view.num_computed_tokens += step.num_scheduled_tokens;
+                assert!(s.view.num_computed_tokens <= s.view.num_tokens);
+                assert!(s.view.num_computed_tokens <= s.blocks.len() * cfg.block_size);
+                if s.view.num_computed_tokens == s.view.num_tokens {
+                    s.view.num_tokens += 1; // the sampled token
+                }
+            }
+            running.retain(|s| {
+                let done = s.view.num_tokens == s.num_final_tokens;
+                if done {
+                    allocator.free(&s.blocks).expect("finished blocks are owned");
+                    num_finished += 1;
+                }
+                !done
+            });
+            allocator.check_invariants();
+            let num_held: usize = running.iter().map(|s| s.blocks.len()).sum();
+            assert_eq!(num_held as u32, (allocator.num_usable_blocks() - allocator.num_free_blocks()));
+        }
+        assert_eq!((allocator.num_usable_blocks() - allocator.num_free_blocks()), 0);
+        let mut sorted = admission_order.clone();
+        sorted.sort();
+        assert_eq!(admission_order, sorted, "first admissions follow arrival order");
+    }
+}

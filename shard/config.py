@@ -1,0 +1,53 @@
+"""The shard process's typed configuration, built once from command-line flags and passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything one shard rank needs to know; nothing is read from the environment.
+
+    `block_size` is tokens per KV block; the router's allocator uses exactly this value (it learns it
+    from `Info`). `num_threads` is torch's intra-op thread count on the CPU (0 = torch's default).
+    """
+
+    model_path: Path
+    socket_path: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    rank: int = 0
+    world_size: int = 1
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device if self.device == "cpu" else f"cuda:{self.rank}")

@@ -1,0 +1,1 @@
+"""Model building blocks: batch-invariant linear layers, paged attention, rotary, norms, embeddings."""

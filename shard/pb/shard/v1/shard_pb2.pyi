@@ -1,0 +1,119 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model_type", "dtype", "device", "block_size", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size")
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_type: str
+    dtype: str
+    device: str
+    block_size: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_position_embeddings: int
+    world_size: int
+    def __init__(self, model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WarmupRequest(_message.Message):
+    __slots__ = ("max_batch_tokens", "max_batch_size", "max_total_kv_tokens")
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOTAL_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_batch_tokens: int
+    max_batch_size: int
+    max_total_kv_tokens: int
+    def __init__(self, max_batch_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_total_kv_tokens: _Optional[int] = ...) -> None: ...
+
+class WarmupResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "seed")
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SequenceChunk(_message.Message):
+    __slots__ = ("id", "token_ids", "num_computed_tokens", "block_table", "sample", "params")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    params: SamplingParams
+    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("released_ids", "sequences")
+    RELEASED_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    released_ids: _containers.RepeatedScalarFieldContainer[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceChunk]
+    def __init__(self, released_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceChunk, _Mapping]]] = ...) -> None: ...
+
+class Generation(_message.Message):
+    __slots__ = ("id", "token_id", "logprob")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    token_id: int
+    logprob: float
+    def __init__(self, id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("generations", "forward_time_us")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_TIME_US_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    forward_time_us: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., forward_time_us: _Optional[int] = ...) -> None: ...
+
+class ClearCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,229 @@
+"""`ModelRunner`: owns the model, the KV pool and per-sequence sampling params; prepare -> forward -> sample.
+
+Lifecycle: load (constructor) -> `warmup` once (sizes and allocates the pool) -> `forward` per router call.
+Per-sequence state is only the `SamplingParams`, kept by id from the first call that sends them until the
+id is named in `released_ids`; the KV blocks and block tables belong to the router.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shard.batch import BatchLimits, BatchState, ForwardRequest, Generation, SequenceChunk
+from shard.config import ShardConfig
+from shard.kv_cache import KVCache
+from shard.layers.attention import ForwardContext, forward_context
+from shard.models.registry import eos_token_ids, get_model_class, load_hf_config
+from shard.sampling import SamplingBatch, SamplingParams, sample
+from shard.weights import load_weights
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_MEMORY_FRACTION = 0.25  # of MemAvailable
+CUDA_KV_MEMORY_FRACTION = 0.90  # of free device memory after the warmup forward
+
+
+class NotReadyError(RuntimeError):
+    """A forward was asked for before `warmup` allocated the KV pool."""
+
+
+class ModelRunner:
+    def __init__(self, config: ShardConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.hf_config = load_hf_config(config.model_path)
+        self.model_type: str = self.hf_config.get("model_type", "")
+        model_class = get_model_class(self.model_type)
+        self.model_config = model_class.config_class.from_hf(self.hf_config)
+        with torch.device(self.device):
+            self.model: nn.Module = model_class(self.model_config).to(self.dtype)
+        load_weights(self.model, config.model_path)
+        self.model.eval()
+        self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
+        self.kv_cache: KVCache | None = None
+        self.params_by_id: dict[int, SamplingParams] = {}
+        num_params = sum(p.numel() for p in self.model.parameters())
+        logger.info(
+            "loaded %s (%s, %.1fM parameters) from %s on %s as %s",
+            model_class.__name__,
+            self.model_type,
+            num_params / 1e6,
+            config.model_path,
+            self.device,
+            config.dtype,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def _new_kv_cache(self, num_blocks: int) -> KVCache:
+        cfg = self.model_config
+        return KVCache(
+            cfg.num_hidden_layers,
+            num_blocks,
+            self.config.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.model_config
+        return KVCache.bytes_per_block(
+            cfg.num_hidden_layers, self.config.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+        )
+
+    @torch.inference_mode()
+    def warmup(self, max_batch_tokens: int, max_batch_size: int, max_total_kv_tokens: int) -> int:
+        """Runs a forward at the largest batch the router will send, then allocates the pool; returns its
+        number of blocks, null block 0 included."""
+        if not 1 <= max_batch_size <= max_batch_tokens:
+            raise ValueError(
+                f"need 1 <= max_batch_size <= max_batch_tokens, got max_batch_size={max_batch_size}, "
+                f"max_batch_tokens={max_batch_tokens}"
+            )
+        block_size = self.config.block_size
+        self.kv_cache = None
+        self.params_by_id.clear()
+        # A throwaway pool just large enough for the dummy batch: one long sequence plus single-token ones.
+        self.kv_cache = self._new_kv_cache(1 + -(-max_batch_tokens // block_size) + max_batch_size)
+        lengths = [max_batch_tokens - (max_batch_size - 1)] + [1] * (max_batch_size - 1)
+        next_block = 1
+        sequences = []
+        for i, length in enumerate(lengths):
+            num_blocks = -(-length // block_size)
+            sequences.append(
+                SequenceChunk(
+                    id=i,
+                    token_ids=[0] * length,
+                    num_computed_tokens=0,
+                    block_table=list(range(next_block, next_block + num_blocks)),
+                    sample=True,
+                    params=SamplingParams(do_sample=True, temperature=1.0, top_k=50, top_p=0.9, seed=i),
+                )
+            )
+            next_block += num_blocks
+        start = time.perf_counter()
+        self._run(ForwardRequest(sequences=sequences), check_lengths=False)
+        logger.info(
+            "warmup forward of %d tokens in %d sequences took %.2fs",
+            max_batch_tokens,
+            max_batch_size,
+            time.perf_counter() - start,
+        )
+        self.params_by_id.clear()
+        self.kv_cache = None
+        num_blocks = self._decide_num_blocks(max_total_kv_tokens)
+        self.kv_cache = self._new_kv_cache(num_blocks)
+        return num_blocks
+
+    def _decide_num_blocks(self, max_total_kv_tokens: int) -> int:
+        block_size, bytes_per_block = self.config.block_size, self._bytes_per_block()
+        if max_total_kv_tokens > 0:
+            num_blocks = math.ceil(max_total_kv_tokens / block_size) + 1
+            reason = f"router asked for {max_total_kv_tokens} tokens"
+        elif self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            num_blocks = int(free_bytes * CUDA_KV_MEMORY_FRACTION) // bytes_per_block
+            reason = f"{CUDA_KV_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.2f} GiB free device memory"
+        else:
+            available_bytes = _mem_available_bytes()
+            num_blocks = int(available_bytes * CPU_KV_MEMORY_FRACTION) // bytes_per_block
+            reason = f"{CPU_KV_MEMORY_FRACTION:.0%} of {available_bytes / 2**30:.2f} GiB MemAvailable"
+        if num_blocks < 2:
+            raise RuntimeError(f"not enough memory for a KV pool of 2 blocks ({reason})")
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%d usable tokens, %.2f GiB); %s",
+            num_blocks,
+            block_size,
+            (num_blocks - 1) * block_size,
+            num_blocks * bytes_per_block / 2**30,
+            reason,
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def forward(self, request: ForwardRequest) -> list[Generation]:
+        """Drops released sequences, then runs one forward pass over all chunks; one Generation per sampled
+        chunk, in request order."""
+        if self.kv_cache is None:
+            raise NotReadyError("Warmup must be called before Prefill or Decode")
+        for seq_id in request.released_ids:
+            self.params_by_id.pop(seq_id, None)
+        return self._run(request)
+
+    def _run(self, request: ForwardRequest, check_lengths: bool = True) -> list[Generation]:
+        batch, logits = self.forward_logits(request, check_lengths)
+        if not batch.sample_ids:
+            return []
+        sampling = SamplingBatch.build(
+            [self.params_by_id[seq_id] for seq_id in batch.sample_ids], batch.sample_positions, self.device
+        )
+        token_ids, logprobs = sample(logits, sampling)
+        return [
+            Generation(id=seq_id, token_id=token_id, logprob=logprob)
+            for seq_id, token_id, logprob in zip(
+                batch.sample_ids, token_ids.tolist(), logprobs.tolist(), strict=True
+            )
+        ]
+
+    @torch.inference_mode()
+    def forward_logits(
+        self, request: ForwardRequest, check_lengths: bool = True
+    ) -> tuple[BatchState, torch.Tensor]:
+        """Validates, stores new params, runs the model (writing K/V) and returns float32 logits
+        [num_sampled, vocab] of the sampled rows, in request order. Does not drop `released_ids`."""
+        if self.kv_cache is None:
+            raise NotReadyError("Warmup must be called before Prefill or Decode")
+        limits = BatchLimits(
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings if check_lengths else 2**62,
+            block_size=self.config.block_size,
+            num_blocks=self.kv_cache.num_blocks,
+        )
+        batch = BatchState.prepare(request.sequences, self.params_by_id, limits, self.device)
+        for seq in request.sequences:
+            if seq.params is not None:
+                self.params_by_id[seq.id] = seq.params
+        ctx = ForwardContext(
+            kv_cache=self.kv_cache,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            context_lens=batch.context_lens,
+            block_tables=batch.block_tables,
+            slot_mapping=batch.slot_mapping,
+            positions=batch.positions,
+        )
+        with forward_context(ctx):
+            hidden = self.model(batch.input_ids, batch.positions)
+        return batch, self.model.compute_logits(hidden[batch.sample_rows])
+
+    def clear(self) -> None:
+        """Forgets every sequence (the pool's contents are the router's business and stay allocated)."""
+        self.params_by_id.clear()
+
+    def health(self) -> None:
+        """A tiny device op: raises if the device is unusable."""
+        probe = torch.ones(1, device=self.device) + 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        assert probe.item() == 2.0
+
+
+def _mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no MemAvailable in {meminfo}")

@@ -1,0 +1,220 @@
+"""The shard's gRPC server: converts protobuf to internal types, calls the ModelRunner, converts back.
+
+Run:  python -m shard.server --model-id PATH --socket /tmp/rill-shard-0.sock [--device cpu] [--dtype float32]
+Forward calls run one at a time in a worker thread so the event loop keeps answering Health. A ValueError from
+the runner (bad input) becomes INVALID_ARGUMENT with its message; the server then carries on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import torch
+
+from shard.batch import ForwardRequest, SequenceChunk
+from shard.config import DEVICES, DTYPES, ShardConfig
+from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
+from shard.runner import ModelRunner, NotReadyError
+from shard.sampling import SamplingParams
+
+logger = logging.getLogger("shard.server")
+
+T = TypeVar("T")
+
+
+def forward_request_from_pb(request: shard_pb2.ForwardRequest) -> ForwardRequest:
+    return ForwardRequest(
+        released_ids=list(request.released_ids),
+        sequences=[
+            SequenceChunk(
+                id=seq.id,
+                token_ids=list(seq.token_ids),
+                num_computed_tokens=seq.num_computed_tokens,
+                block_table=list(seq.block_table),
+                sample=seq.sample,
+                params=SamplingParams(
+                    do_sample=seq.params.do_sample,
+                    temperature=seq.params.temperature,
+                    top_k=seq.params.top_k,
+                    top_p=seq.params.top_p,
+                    seed=seq.params.seed,
+                )
+                if seq.HasField("params")
+                else None,
+            )
+            for seq in request.sequences
+        ],
+    )
+
+
+class ShardServicer(shard_pb2_grpc.ShardServicer):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.lock = asyncio.Lock()  # one runner call at a time
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+        async with self.lock:
+            try:
+                return await asyncio.to_thread(fn)
+            except ValueError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except NotReadyError as error:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def Info(
+        self, request: shard_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.InfoResponse:
+        runner = self.runner
+        return shard_pb2.InfoResponse(
+            model_type=runner.model_type,
+            dtype=runner.config.dtype,
+            device=runner.device.type,
+            block_size=runner.config.block_size,
+            vocab_size=runner.vocab_size,
+            eos_token_ids=runner.eos_token_ids,
+            max_position_embeddings=runner.max_position_embeddings,
+            world_size=runner.config.world_size,
+        )
+
+    async def Health(
+        self, request: shard_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.HealthResponse:
+        await asyncio.to_thread(self.runner.health)
+        return shard_pb2.HealthResponse()
+
+    async def Warmup(
+        self, request: shard_pb2.WarmupRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.WarmupResponse:
+        num_blocks = await self._call(
+            context,
+            lambda: self.runner.warmup(
+                request.max_batch_tokens, request.max_batch_size, request.max_total_kv_tokens
+            ),
+        )
+        return shard_pb2.WarmupResponse(num_blocks=num_blocks)
+
+    async def _forward(
+        self, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.ForwardResponse:
+        forward_request = forward_request_from_pb(request)
+        start = time.perf_counter()
+        generations = await self._call(context, lambda: self.runner.forward(forward_request))
+        return shard_pb2.ForwardResponse(
+            generations=[
+                shard_pb2.Generation(id=g.id, token_id=g.token_id, logprob=g.logprob) for g in generations
+            ],
+            forward_time_us=int((time.perf_counter() - start) * 1e6),
+        )
+
+    async def Prefill(
+        self, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.ForwardResponse:
+        return await self._forward(request, context)
+
+    async def Decode(
+        self, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.ForwardResponse:
+        if any(len(seq.token_ids) != 1 for seq in request.sequences):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "Decode: every sequence must carry exactly one token"
+            )
+        return await self._forward(request, context)
+
+    async def ClearCache(
+        self, request: shard_pb2.ClearCacheRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.ClearCacheResponse:
+        async with self.lock:
+            self.runner.clear()
+        return shard_pb2.ClearCacheResponse()
+
+
+async def serve(config: ShardConfig) -> None:
+    runner = ModelRunner(config)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 256 * 2**20),
+            ("grpc.max_send_message_length", 256 * 2**20),
+        ]
+    )
+    shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(runner), server)
+    config.socket_path.unlink(missing_ok=True)
+    server.add_insecure_port(f"unix://{config.socket_path}")
+    await server.start()
+    logger.info("rank %d/%d serving on unix://%s", config.rank, config.world_size, config.socket_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    await server.stop(grace=2.0)
+    config.socket_path.unlink(missing_ok=True)
+
+
+def parse_args(argv: list[str] | None = None) -> ShardConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m shard.server",
+        description="Rill model shard: loads a Hugging Face model folder and serves forward passes over gRPC "
+        "on a unix socket for the Rill router.",
+    )
+    parser.add_argument(
+        "--model-id",
+        required=True,
+        type=Path,
+        help="model folder with config.json and *.safetensors (Hugging Face layout)",
+    )
+    parser.add_argument("--socket", required=True, type=Path, help="unix socket path to listen on")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="device to run on (default: cpu)")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="dtype of weights and KV cache (default: float32)",
+    )
+    parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads on the CPU; 0 keeps torch's default",
+    )
+    parser.add_argument("--rank", type=int, default=0, help="this shard's tensor-parallel rank (default: 0)")
+    parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks (default: 1)")
+    args = parser.parse_args(argv)
+    try:
+        config = ShardConfig(
+            model_path=args.model_id,
+            socket_path=args.socket,
+            device=args.device,
+            dtype=args.dtype,
+            block_size=args.kv_block_size,
+            rank=args.rank,
+            world_size=args.world_size,
+            num_threads=args.num_threads,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    if config.world_size != 1:
+        parser.error("tensor parallelism is not implemented yet: --world-size must be 1")
+    return config
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Loads a Hugging Face safetensors checkpoint into a Rill model, tensor by tensor, through each parameter's
+`weight_loader` (fused layers map the checkpoint's separate q/k/v and gate/up tensors into their slices)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+# Checkpoint tensors with no parameter in Rill's models (buffers recomputed at init).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: nn.Module, model_path: Path) -> None:
+    """Copies every tensor of `model_path/*.safetensors` into `model`; fails if a parameter stays unloaded."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in model folder {model_path}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    names_per_file: list[tuple[Path, list[str]]] = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names_per_file.append((file, list(f.keys())))
+    num_tensors = sum(len(names) for _, names in names_per_file)
+    loaded: set[str] = set()
+    with tqdm(total=num_tensors, desc="loading weights", unit="tensor") as progress:
+        for file, names in names_per_file:
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    progress.update(1)
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    target, shard_id = _resolve(name, packed)
+                    if target not in params:
+                        raise ValueError(
+                            f"checkpoint tensor {name!r} ({file.name}) has no parameter in the model"
+                        )
+                    param = params[target]
+                    tensor = f.get_tensor(name)
+                    loader = getattr(param, "weight_loader", None)
+                    if loader is not None:
+                        loader(param, tensor, shard_id)
+                    else:
+                        assert shard_id is None, f"{target} is fused but has no weight_loader"
+                        _default_weight_loader(param, tensor)
+                    loaded.add(target)
+    # A tied LM head shares the embedding's tensor, so loading either name loads both.
+    tied = {name for name, p in params.items() for other in loaded if params[other] is p}
+    missing = sorted(set(params) - loaded - tied)
+    if missing:
+        raise ValueError(f"checkpoint in {model_path} lacks tensors for parameters: {missing}")
+    logger.info("loaded %d tensors from %d safetensors file(s)", num_tensors, len(files))
+
+
+def _resolve(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    """Checkpoint tensor name -> (model parameter name, part of a fused parameter or None)."""
+    for hf_part, (fused, shard_id) in packed.items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{fused}."), shard_id
+    return name, None

@@ -1,0 +1,103 @@
+"""Shared fixtures for shard tests: tiny random Hugging Face checkpoints and runners loaded from them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from shard.batch import ForwardRequest, SequenceChunk
+from shard.config import ShardConfig
+from shard.runner import ModelRunner
+from shard.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+TINY: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=512,
+)
+GREEDY = SamplingParams(do_sample=False)
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Writes a random-weight HF checkpoint (config.json + model.safetensors) into `path` and returns it."""
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig}[model_type]
+    config = config_class(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Spread the weights so logits are far from uniform and greedy tokens are not near-ties.
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 1:
+                param.normal_(0.0, 0.2 if param.dim() == 2 else 0.05).add_(1.0 if param.dim() == 1 else 0.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def rewrite_config_transformers4(path: Path) -> None:
+    """Rewrites config.json the way transformers 4 wrote it: rope_theta/rope_scaling at top level, torch_dtype."""
+    config = json.loads((path / "config.json").read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope.get("rope_type") == "default" else rope
+    if "dtype" in config:
+        config["torch_dtype"] = config.pop("dtype")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def hf_model(path: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_runner(path: Path, block_size: int = 4, max_total_kv_tokens: int = 1024) -> ModelRunner:
+    runner = ModelRunner(ShardConfig(model_path=path, socket_path=path / "unused.sock", block_size=block_size))
+    runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=max_total_kv_tokens)
+    return runner
+
+
+def chunk(
+    seq_id: int,
+    token_ids: list[int],
+    num_computed_tokens: int,
+    first_block: int,
+    block_size: int = 4,
+    sample: bool = True,
+    params: SamplingParams | None = GREEDY,
+) -> SequenceChunk:
+    """A chunk whose block table is the contiguous blocks first_block, first_block + 1, ..."""
+    num_blocks = -(-(num_computed_tokens + len(token_ids)) // block_size)
+    return SequenceChunk(
+        id=seq_id,
+        token_ids=token_ids,
+        num_computed_tokens=num_computed_tokens,
+        block_table=list(range(first_block, first_block + num_blocks)),
+        sample=sample,
+        params=params,
+    )
+
+
+def logits_of(runner: ModelRunner, *sequences: SequenceChunk) -> torch.Tensor:
+    _, logits = runner.forward_logits(ForwardRequest(sequences=list(sequences)))
+    return logits
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield save_tiny_model(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_runner(llama_dir: Path) -> ModelRunner:
+    return make_runner(llama_dir)
