@@ -85,7 +85,10 @@ impl Config {
             args.max_input_tokens,
             args.max_total_tokens
         );
-        anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
+        anyhow::ensure!(
+            args.max_batch_tokens > 0,
+            "--max-batch-tokens must be positive"
+        );
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
         Ok(Self {
             model_id: args.model_id,

@@ -63,7 +63,10 @@ async fn main() -> anyhow::Result<()> {
     let allocator = BlockAllocator::new(warmup.num_blocks);
     let block_size = shard_info.block_size as usize;
     let num_usable_blocks = allocator.num_usable_blocks() as usize;
-    anyhow::ensure!(num_usable_blocks > 0, "the shards' KV pool has no usable block");
+    anyhow::ensure!(
+        num_usable_blocks > 0,
+        "the shards' KV pool has no usable block"
+    );
     // Admission leaves 1% of the pool (at least one block) for running sequences to grow into.
     let watermark_blocks = (num_usable_blocks / 100).max(1).min(num_usable_blocks - 1);
     tracing::info!(
@@ -98,7 +101,9 @@ async fn main() -> anyhow::Result<()> {
     let state = http::AppState {
         engine: EngineHandle::new(inbox_tx, stats),
         validator: Validator::new(tokenizer, config.limits.clone(), max_kv_tokens),
-        admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
+        admission: Arc::new(Semaphore::new(
+            config.limits.max_concurrent_requests as usize,
+        )),
         model_id: config.model_id.display().to_string(),
         shard_info,
         limits: config.limits.clone(),

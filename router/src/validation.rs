@@ -72,7 +72,10 @@ impl Validator {
         }
     }
 
-    pub async fn validate(&self, request: GenerateRequest) -> Result<ValidRequest, ValidationError> {
+    pub async fn validate(
+        &self,
+        request: GenerateRequest,
+    ) -> Result<ValidRequest, ValidationError> {
         if request.inputs.is_empty() {
             return Err(ValidationError::EmptyInput);
         }
@@ -96,7 +99,10 @@ impl Validator {
             return Err(ValidationError::EmptyInput);
         }
         if num_prompt_tokens > limits.max_input_tokens as usize {
-            return Err(ValidationError::InputTooLong(num_prompt_tokens, limits.max_input_tokens));
+            return Err(ValidationError::InputTooLong(
+                num_prompt_tokens,
+                limits.max_input_tokens,
+            ));
         }
         let room = limits.max_total_tokens - num_prompt_tokens as u32;
         let kv_room = self.max_kv_tokens.saturating_sub(num_prompt_tokens) as u32;
@@ -131,7 +137,10 @@ impl Validator {
             return Err(ValidationError::TopK);
         }
         if parameters.stop.len() > limits.max_stop_sequences as usize {
-            return Err(ValidationError::TooManyStops(parameters.stop.len(), limits.max_stop_sequences));
+            return Err(ValidationError::TooManyStops(
+                parameters.stop.len(),
+                limits.max_stop_sequences,
+            ));
         }
         if parameters.stop.iter().any(String::is_empty) {
             return Err(ValidationError::EmptyStop);
@@ -173,7 +182,10 @@ mod tests {
         Validator::new(Arc::new(tokenizer), limits, 16)
     }
 
-    fn check(num_prompt_tokens: usize, parameters: GenerateParameters) -> Result<ValidRequest, ValidationError> {
+    fn check(
+        num_prompt_tokens: usize,
+        parameters: GenerateParameters,
+    ) -> Result<ValidRequest, ValidationError> {
         validator().validate_tokens(vec![1; num_prompt_tokens], parameters)
     }
 
@@ -193,28 +205,62 @@ mod tests {
             max_new_tokens: Some(12),
             ..Default::default()
         };
-        assert!(matches!(check(9, params).unwrap_err(), ValidationError::TotalTooLong(9, 12, 20)));
+        assert!(matches!(
+            check(9, params).unwrap_err(),
+            ValidationError::TotalTooLong(9, 12, 20)
+        ));
         let params = GenerateParameters {
             max_new_tokens: Some(8),
             ..Default::default()
         };
-        assert!(matches!(check(9, params).unwrap_err(), ValidationError::ExceedsKvPool(17, 16)));
+        assert!(matches!(
+            check(9, params).unwrap_err(),
+            ValidationError::ExceedsKvPool(17, 16)
+        ));
     }
 
     #[test]
     fn sampling_values_are_range_checked() {
         for params in [
-            GenerateParameters { temperature: Some(0.0), ..Default::default() },
-            GenerateParameters { temperature: Some(f32::NAN), ..Default::default() },
-            GenerateParameters { top_p: Some(1.5), ..Default::default() },
-            GenerateParameters { top_k: Some(0), ..Default::default() },
-            GenerateParameters { stop: vec!["a".into(), "b".into(), "c".into()], ..Default::default() },
-            GenerateParameters { stop: vec![String::new()], ..Default::default() },
-            GenerateParameters { max_new_tokens: Some(0), ..Default::default() },
+            GenerateParameters {
+                temperature: Some(0.0),
+                ..Default::default()
+            },
+            GenerateParameters {
+                temperature: Some(f32::NAN),
+                ..Default::default()
+            },
+            GenerateParameters {
+                top_p: Some(1.5),
+                ..Default::default()
+            },
+            GenerateParameters {
+                top_k: Some(0),
+                ..Default::default()
+            },
+            GenerateParameters {
+                stop: vec!["a".into(), "b".into(), "c".into()],
+                ..Default::default()
+            },
+            GenerateParameters {
+                stop: vec![String::new()],
+                ..Default::default()
+            },
+            GenerateParameters {
+                max_new_tokens: Some(0),
+                ..Default::default()
+            },
         ] {
             assert!(check(2, params).is_err());
         }
-        let sampled = check(2, GenerateParameters { top_k: Some(5), ..Default::default() }).expect("valid");
+        let sampled = check(
+            2,
+            GenerateParameters {
+                top_k: Some(5),
+                ..Default::default()
+            },
+        )
+        .expect("valid");
         assert!(sampled.sampling.do_sample);
     }
 }

@@ -97,7 +97,9 @@ impl EngineCore {
             // Nothing can run although the pool is as empty as it gets: the queue head can never fit.
             if self.running.is_empty() {
                 if let Some(seq) = self.waiting.pop_front() {
-                    seq.fail(EngineError::Shard("the request does not fit the KV pool".into()));
+                    seq.fail(EngineError::Shard(
+                        "the request does not fit the KV pool".into(),
+                    ));
                 }
             }
             return;
@@ -129,7 +131,10 @@ impl EngineCore {
             self.waiting.push_front(seq);
         }
         for &id in &plan.admitted {
-            let seq = self.waiting.pop_front().expect("admitted requests are the head of the queue");
+            let seq = self
+                .waiting
+                .pop_front()
+                .expect("admitted requests are the head of the queue");
             debug_assert_eq!(seq.id, id);
             self.running.push(seq);
         }
@@ -158,7 +163,8 @@ impl EngineCore {
         for generation in &response.generations {
             let id = RequestId(generation.id);
             let i = self.running_index(id);
-            let outcome = self.running[i].append_token(&self.tokenizer, &self.eos_token_ids, generation);
+            let outcome =
+                self.running[i].append_token(&self.tokenizer, &self.eos_token_ids, generation);
             if let TokenOutcome::Finished = outcome {
                 let mut seq = self.running.remove(i);
                 self.release(&mut seq);
@@ -224,7 +230,11 @@ impl EngineCore {
         stats
             .num_free_blocks
             .store(self.allocator.num_free_blocks(), Ordering::Relaxed);
-        stats.num_waiting.store(self.waiting.len() as u32, Ordering::Relaxed);
-        stats.num_running.store(self.running.len() as u32, Ordering::Relaxed);
+        stats
+            .num_waiting
+            .store(self.waiting.len() as u32, Ordering::Relaxed);
+        stats
+            .num_running
+            .store(self.running.len() as u32, Ordering::Relaxed);
     }
 }

@@ -30,6 +30,8 @@ impl std::fmt::Display for RequestId {
 pub enum EngineError {
     #[error("the model shards failed: {0}")]
     Shard(String),
+    #[error("turning tokens into text failed: {0}")]
+    Detokenize(String),
     #[error("the engine is shutting down")]
     Closed,
 }
@@ -99,7 +101,11 @@ impl EngineHandle {
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (events, receiver) = mpsc::unbounded_channel();
         self.inbox
-            .send(NewRequest { id, request, events })
+            .send(NewRequest {
+                id,
+                request,
+                events,
+            })
             .map_err(|_| EngineError::Closed)?;
         Ok((id, receiver))
     }

@@ -10,7 +10,7 @@ use crate::{
     api::FinishReason,
     scheduler::SeqView,
     shard::pb,
-    text::{IncrementalDetokenizer, StopMatcher},
+    text::{DetokenizeError, IncrementalDetokenizer, StopMatcher},
     validation::ValidRequest,
 };
 
@@ -40,7 +40,11 @@ pub enum TokenOutcome {
 
 impl Sequence {
     pub fn new(new: NewRequest) -> Self {
-        let NewRequest { id, request, events } = new;
+        let NewRequest {
+            id,
+            request,
+            events,
+        } = new;
         Self {
             id,
             token_ids: request.prompt_ids.clone(),
@@ -79,7 +83,7 @@ impl Sequence {
         let start = self.num_computed_tokens;
         let end = start + num_tokens;
         let sampling = &self.request.sampling;
-        let params = (!self.is_known_to_shards).then(|| pb::SamplingParams {
+        let params = (!self.is_known_to_shards).then_some(pb::SamplingParams {
             do_sample: sampling.do_sample,
             temperature: sampling.temperature,
             top_k: sampling.top_k,
@@ -107,7 +111,10 @@ impl Sequence {
         let token_id = generation.token_id;
         self.token_ids.push(token_id);
         let mut finish = None;
-        let piece = self.detokenizer.push(tokenizer, token_id).unwrap_or_default();
+        let piece = match self.detokenizer.push(tokenizer, token_id) {
+            Ok(piece) => piece,
+            Err(e) => return self.fail_text(e),
+        };
         let mut outcome = self.stop.push(&piece);
         if outcome.stopped.is_some() {
             finish = Some(FinishReason::StopSequence);
@@ -118,7 +125,10 @@ impl Sequence {
         }
         if matches!(finish, Some(FinishReason::EosToken | FinishReason::Length)) {
             // Release what was held back: the detokenizer's tail, then the stop matcher's.
-            let tail = self.detokenizer.flush(tokenizer).unwrap_or_default();
+            let tail = match self.detokenizer.flush(tokenizer) {
+                Ok(tail) => tail,
+                Err(e) => return self.fail_text(e),
+            };
             let last = self.stop.push(&tail);
             outcome.text.push_str(&last.text);
             if last.stopped.is_some() {
@@ -151,6 +161,11 @@ impl Sequence {
         } else {
             TokenOutcome::Continue
         }
+    }
+
+    fn fail_text(&self, error: DetokenizeError) -> TokenOutcome {
+        self.fail(super::EngineError::Detokenize(error.to_string()));
+        TokenOutcome::Finished
     }
 
     /// Ends the request with an error event.

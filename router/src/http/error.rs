@@ -36,18 +36,24 @@ impl From<JsonRejection> for ApiError {
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::Validation(_) | ApiError::Unprocessable(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Validation(_) | ApiError::Unprocessable(_) => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Engine(EngineError::Closed) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Engine(EngineError::Shard(_)) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Engine(EngineError::Shard(_) | EngineError::Detokenize(_)) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
     /// The TGI `error_type` name.
     pub fn error_type(&self) -> &'static str {
         match self {
-            ApiError::Validation(_) | ApiError::Unprocessable(_) | ApiError::BadRequest(_) => "validation",
+            ApiError::Validation(_) | ApiError::Unprocessable(_) | ApiError::BadRequest(_) => {
+                "validation"
+            }
             ApiError::Overloaded(_) => "overloaded",
             ApiError::Engine(_) => "generation",
         }

@@ -16,7 +16,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::{ApiError, AppState};
 use crate::{
     api::{
-        Details, GenerateRequest, GenerateResponse, Info, KvInfo, StreamDetails, StreamResponse, Token,
+        Details, GenerateRequest, GenerateResponse, Info, KvInfo, StreamDetails, StreamResponse,
+        Token,
     },
     engine::{EventReceiver, TokenEvent},
     validation::ValidRequest,

@@ -3,6 +3,8 @@
 
 mod error;
 mod handlers;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 

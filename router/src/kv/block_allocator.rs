@@ -84,9 +84,18 @@ impl BlockAllocator {
     pub fn check_invariants(&self) {
         let mut seen = vec![false; self.num_blocks as usize];
         for &block in &self.free {
-            assert!(block != 0 && block < self.num_blocks, "free block {block} out of range");
-            assert!(!seen[block as usize], "block {block} is on the free list twice");
-            assert!(!self.is_used[block as usize], "free block {block} is marked used");
+            assert!(
+                block != 0 && block < self.num_blocks,
+                "free block {block} out of range"
+            );
+            assert!(
+                !seen[block as usize],
+                "block {block} is on the free list twice"
+            );
+            assert!(
+                !self.is_used[block as usize],
+                "free block {block} is marked used"
+            );
             seen[block as usize] = true;
         }
         let num_marked_used = self.is_used.iter().filter(|&&used| used).count() as u32;
@@ -125,14 +134,20 @@ mod tests {
         let mut allocator = BlockAllocator::new(8);
         let blocks = allocator.allocate(2).expect("free");
         allocator.free(&blocks).expect("first free");
-        assert_eq!(allocator.free(&blocks), Err(BlockError::DoubleFree(blocks[0])));
+        assert_eq!(
+            allocator.free(&blocks),
+            Err(BlockError::DoubleFree(blocks[0]))
+        );
         let more = allocator.allocate(1).expect("free");
         assert_eq!(
             allocator.free(&[more[0], more[0]]),
             Err(BlockError::DoubleFree(more[0]))
         );
         allocator.check_invariants();
-        assert_eq!((allocator.num_usable_blocks() - allocator.num_free_blocks()), 1);
+        assert_eq!(
+            (allocator.num_usable_blocks() - allocator.num_free_blocks()),
+            1
+        );
     }
 
     #[test]
@@ -153,7 +168,10 @@ mod tests {
             }
             allocator.check_invariants();
             let num_owned: usize = owned.iter().map(Vec::len).sum();
-            assert_eq!(num_owned as u32, (allocator.num_usable_blocks() - allocator.num_free_blocks()));
+            assert_eq!(
+                num_owned as u32,
+                (allocator.num_usable_blocks() - allocator.num_free_blocks())
+            );
         }
     }
 }

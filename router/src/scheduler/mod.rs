@@ -112,7 +112,11 @@ pub fn schedule(
             if num_tokens > 0 && seq.num_computed_tokens + num_tokens <= capacity {
                 break;
             }
-            let newest = pending.iter().enumerate().max_by_key(|(_, (age, _))| *age).map(|(i, _)| i);
+            let newest = pending
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, (age, _))| *age)
+                .map(|(i, _)| i);
             match newest {
                 Some(i) => {
                     let (_, victim) = pending.remove(i);
@@ -123,7 +127,8 @@ pub fn schedule(
             }
         }
         let num_new_blocks =
-            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
+            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size)
+                .saturating_sub(seq.num_blocks);
         if num_tokens == 0 || num_new_blocks > free_blocks {
             free_blocks += seq.num_blocks;
             plan.preempted.push(seq.id);
@@ -147,7 +152,8 @@ pub fn schedule(
         }
         let num_tokens = (seq.num_tokens - seq.num_computed_tokens).min(tokens_left);
         let num_new_blocks =
-            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
+            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size)
+                .saturating_sub(seq.num_blocks);
         if num_new_blocks + config.watermark_blocks > free_blocks {
             break;
         }

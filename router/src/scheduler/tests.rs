@@ -28,9 +28,30 @@ fn decodes_first_then_prompt_chunks_fill_the_budget() {
     let running = [seq(1, 9, 8, 2), seq(2, 5, 4, 1)];
     let waiting = [seq(3, 100, 0, 0)];
     let plan = schedule(&config(16, 8), &running, &waiting, 100);
-    assert_eq!(plan.scheduled[0], Scheduled { id: RequestId(1), num_scheduled_tokens: 1, num_new_blocks: 1 });
-    assert_eq!(plan.scheduled[1], Scheduled { id: RequestId(2), num_scheduled_tokens: 1, num_new_blocks: 1 });
-    assert_eq!(plan.scheduled[2], Scheduled { id: RequestId(3), num_scheduled_tokens: 14, num_new_blocks: 4 });
+    assert_eq!(
+        plan.scheduled[0],
+        Scheduled {
+            id: RequestId(1),
+            num_scheduled_tokens: 1,
+            num_new_blocks: 1
+        }
+    );
+    assert_eq!(
+        plan.scheduled[1],
+        Scheduled {
+            id: RequestId(2),
+            num_scheduled_tokens: 1,
+            num_new_blocks: 1
+        }
+    );
+    assert_eq!(
+        plan.scheduled[2],
+        Scheduled {
+            id: RequestId(3),
+            num_scheduled_tokens: 14,
+            num_new_blocks: 4
+        }
+    );
     assert_eq!(plan.admitted, vec![RequestId(3)]);
     assert!(!plan.is_decode_only());
 }
@@ -64,7 +85,10 @@ fn preempts_the_newest_when_a_decode_needs_a_block() {
     assert_eq!(plan.preempted, vec![RequestId(3)]);
     let ids: Vec<_> = plan.scheduled.iter().map(|s| s.id).collect();
     assert_eq!(ids, vec![RequestId(1), RequestId(2)]);
-    assert!(plan.admitted.is_empty(), "no admission in a step that preempts");
+    assert!(
+        plan.admitted.is_empty(),
+        "no admission in a step that preempts"
+    );
 }
 
 #[test]
@@ -102,7 +126,10 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
         let num_requests = rng.random_range(1..40);
         // Every request must fit the pool alone, as validation guarantees.
         let max_len: usize = 40;
-        let num_blocks = (max_len.div_ceil(cfg.block_size) + cfg.watermark_blocks + rng.random_range(0..30)) as u32 + 1;
+        let num_blocks = (max_len.div_ceil(cfg.block_size)
+            + cfg.watermark_blocks
+            + rng.random_range(0..30)) as u32
+            + 1;
         let mut allocator = BlockAllocator::new(num_blocks);
         let mut waiting: std::collections::VecDeque<SimSeq> = std::collections::VecDeque::new();
         let mut running: Vec<SimSeq> = Vec::new();
@@ -124,7 +151,12 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             }
             let running_views: Vec<_> = running.iter().map(|s| s.view).collect();
             let waiting_views: Vec<_> = waiting.iter().map(|s| s.view).collect();
-            let plan = schedule(&cfg, &running_views, &waiting_views, allocator.num_free_blocks() as usize);
+            let plan = schedule(
+                &cfg,
+                &running_views,
+                &waiting_views,
+                allocator.num_free_blocks() as usize,
+            );
 
             assert!(plan.num_scheduled_tokens() <= cfg.max_batch_tokens);
             assert!(plan.scheduled.len() <= cfg.max_batch_size);
@@ -137,7 +169,10 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 running.push(front);
             }
             for victim in plan.preempted.iter().rev() {
-                let i = running.iter().position(|s| s.view.id == *victim).expect("victim runs");
+                let i = running
+                    .iter()
+                    .position(|s| s.view.id == *victim)
+                    .expect("victim runs");
                 let mut s = running.remove(i);
                 allocator.free(&s.blocks).expect("victim blocks are owned");
                 s.blocks.clear();
@@ -146,8 +181,13 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 waiting.push_front(s);
             }
             for step in &plan.scheduled {
-                let s = running.iter_mut().find(|s| s.view.id == step.id).expect("scheduled runs");
-                let new = allocator.allocate(step.num_new_blocks as u32).expect("plan fits the free blocks");
+                let s = running
+                    .iter_mut()
+                    .find(|s| s.view.id == step.id)
+                    .expect("scheduled runs");
+                let new = allocator
+                    .allocate(step.num_new_blocks as u32)
+                    .expect("plan fits the free blocks");
                 s.blocks.extend(new);
                 s.view.num_blocks = s.blocks.len();
                 s.view.num_computed_tokens += step.num_scheduled_tokens;
@@ -160,18 +200,29 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             running.retain(|s| {
                 let done = s.view.num_tokens == s.num_final_tokens;
                 if done {
-                    allocator.free(&s.blocks).expect("finished blocks are owned");
+                    allocator
+                        .free(&s.blocks)
+                        .expect("finished blocks are owned");
                     num_finished += 1;
                 }
                 !done
             });
             allocator.check_invariants();
             let num_held: usize = running.iter().map(|s| s.blocks.len()).sum();
-            assert_eq!(num_held as u32, (allocator.num_usable_blocks() - allocator.num_free_blocks()));
+            assert_eq!(
+                num_held as u32,
+                (allocator.num_usable_blocks() - allocator.num_free_blocks())
+            );
         }
-        assert_eq!((allocator.num_usable_blocks() - allocator.num_free_blocks()), 0);
+        assert_eq!(
+            (allocator.num_usable_blocks() - allocator.num_free_blocks()),
+            0
+        );
         let mut sorted = admission_order.clone();
         sorted.sort();
-        assert_eq!(admission_order, sorted, "first admissions follow arrival order");
+        assert_eq!(
+            admission_order, sorted,
+            "first admissions follow arrival order"
+        );
     }
 }

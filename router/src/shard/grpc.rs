@@ -88,12 +88,12 @@ impl ShardClient for GrpcShards {
             .boxed()
     }
 
-    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {
-        self.broadcast(move |mut c| {
-            let request = request.clone();
-            async move { c.warmup(request).await }
-        })
-        .boxed()
+    fn warmup(
+        &self,
+        request: pb::WarmupRequest,
+    ) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {
+        self.broadcast(move |mut c| async move { c.warmup(request).await })
+            .boxed()
     }
 
     fn forward(

@@ -1,6 +1,8 @@
 //! Talking to the model shards: the `ShardClient` trait the engine drives, and its gRPC implementation
 //! that fans every call out to all tensor-parallel ranks and answers with rank 0's reply.
 
+#[cfg(test)]
+pub mod fake;
 mod grpc;
 
 use futures::future::BoxFuture;
@@ -24,7 +26,10 @@ pub enum ShardError {
 /// What the engine needs from the shards. Every call goes to every rank; the answer is rank 0's.
 pub trait ShardClient: Send + Sync {
     fn info(&self) -> BoxFuture<'_, Result<pb::InfoResponse, ShardError>>;
-    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>>;
+    fn warmup(
+        &self,
+        request: pb::WarmupRequest,
+    ) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>>;
     /// One forward pass: `Decode` when every sequence computes one token, else `Prefill`.
     fn forward(
         &self,

@@ -16,4 +16,4 @@ mod detokenize;
 mod stop;
 
 pub use detokenize::{DetokenizeError, IncrementalDetokenizer};
-pub use stop::{StopMatcher, StopOutcome};
+pub use stop::StopMatcher;

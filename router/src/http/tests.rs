@@ -1,0 +1,325 @@
+//! HTTP tests: the real app, engine, scheduler and allocator against the fake shard, via `oneshot`.
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use axum::{
+    body::Body,
+    http::{Request, StatusCode},
+    Router,
+};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tokenizers::{
+    models::wordlevel::WordLevel, pre_tokenizers::whitespace::Whitespace, AddedToken, Tokenizer,
+};
+use tokio::sync::{mpsc, Semaphore};
+use tower::ServiceExt;
+
+use super::{app, AppState};
+use crate::{
+    config::{BatchConfig, LimitsConfig},
+    engine::{EngineCore, EngineHandle, EngineStats},
+    kv::BlockAllocator,
+    scheduler::SchedulerConfig,
+    shard::{
+        fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
+        ShardClient,
+    },
+    validation::Validator,
+};
+
+/// Words `w0`..`w30` and the special `<eos>` (id 31), split on whitespace.
+fn tokenizer() -> Tokenizer {
+    let mut vocab: HashMap<String, u32> = (0..FAKE_EOS).map(|i| (format!("w{i}"), i)).collect();
+    vocab.insert("<eos>".into(), FAKE_EOS);
+    let model = WordLevel::builder()
+        .vocab(vocab.into_iter().collect())
+        .unk_token("w0".into())
+        .build()
+        .expect("valid word-level model");
+    let mut tokenizer = Tokenizer::new(model);
+    tokenizer.with_pre_tokenizer(Some(Whitespace {}));
+    tokenizer.add_special_tokens(&[AddedToken::from("<eos>", true)]);
+    assert_eq!(tokenizer.get_vocab_size(true) as u32, FAKE_VOCAB_SIZE);
+    tokenizer
+}
+
+struct TestServer {
+    app: Router,
+    state: AppState,
+    shard: FakeShard,
+}
+
+async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
+    let shard = FakeShard::new(num_blocks, 4);
+    let shards: Arc<dyn ShardClient> = Arc::new(shard.clone());
+    let shard_info = shards.info().await.expect("fake info");
+    let limits = LimitsConfig {
+        max_input_tokens: 64,
+        max_total_tokens: 128,
+        max_stop_sequences: 4,
+        max_concurrent_requests,
+    };
+    let batch = BatchConfig {
+        max_batch_tokens: 16,
+        max_batch_size: 8,
+        max_batch_total_tokens: 0,
+    };
+    let scheduler = SchedulerConfig {
+        max_batch_tokens: 16,
+        max_batch_size: 8,
+        block_size: 4,
+        watermark_blocks: 1,
+    };
+    let tokenizer = Arc::new(tokenizer());
+    let stats = Arc::new(EngineStats::default());
+    let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
+    let core = EngineCore::new(
+        shards,
+        tokenizer.clone(),
+        [FAKE_EOS].into(),
+        scheduler,
+        BlockAllocator::new(num_blocks),
+        inbox_rx,
+        stats.clone(),
+    );
+    tokio::spawn(core.run());
+    let state = AppState {
+        engine: EngineHandle::new(inbox_tx, stats),
+        validator: Validator::new(tokenizer, limits.clone(), ((num_blocks - 2) * 4) as usize),
+        admission: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
+        model_id: "fake".into(),
+        shard_info,
+        limits,
+        batch,
+    };
+    TestServer {
+        app: app(state.clone()),
+        state,
+        shard,
+    }
+}
+
+async fn post(app: &Router, uri: &str, body: Value) -> (StatusCode, axum::http::HeaderMap, String) {
+    let request = Request::builder()
+        .method("POST")
+        .uri(uri)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("valid request");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let headers = response.headers().clone();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (
+        status,
+        headers,
+        String::from_utf8(bytes.to_vec()).expect("utf-8 body"),
+    )
+}
+
+async fn generate(app: &Router, inputs: &str, max_new_tokens: u32) -> Value {
+    let body = json!({"inputs": inputs, "parameters": {"max_new_tokens": max_new_tokens, "details": true}});
+    let (status, _, text) = post(app, "/generate", body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    serde_json::from_str(&text).expect("json body")
+}
+
+/// Waits until the engine has nothing left and returns the free block count.
+async fn idle_free_blocks(server: &TestServer) -> u32 {
+    let stats = &server.state.engine.stats;
+    for _ in 0..200 {
+        let idle = stats.num_running.load(std::sync::atomic::Ordering::Relaxed) == 0
+            && stats.num_waiting.load(std::sync::atomic::Ordering::Relaxed) == 0;
+        if idle {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stats
+        .num_free_blocks
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[tokio::test]
+async fn generate_counts_up_to_max_new_tokens() {
+    let server = server(64, 8).await;
+    let result = generate(&server.app, "w1 w2", 3).await;
+    assert_eq!(result["generated_text"], " w3 w4 w5");
+    assert_eq!(result["details"]["finish_reason"], "length");
+    assert_eq!(result["details"]["generated_tokens"], 3);
+    assert_eq!(result["details"]["input_length"], 2);
+    let ids: Vec<u64> = result["details"]["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t["id"].as_u64().expect("id"))
+        .collect();
+    assert_eq!(ids, vec![3, 4, 5]);
+}
+
+#[tokio::test]
+async fn eos_ends_generation_without_text() {
+    let server = server(64, 8).await;
+    let result = generate(&server.app, "w29", 10).await;
+    assert_eq!(result["generated_text"], " w30");
+    assert_eq!(result["details"]["finish_reason"], "eos_token");
+    assert_eq!(result["details"]["tokens"][1]["special"], true);
+}
+
+#[tokio::test]
+async fn stop_sequence_text_never_leaks() {
+    let server = server(64, 8).await;
+    let body = json!({"inputs": "w1", "parameters": {"max_new_tokens": 10, "stop": ["w4 w"]}});
+    let (status, _, text) = post(&server.app, "/generate_stream", body).await;
+    assert_eq!(status, StatusCode::OK);
+    let events: Vec<Value> = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .map(|data| serde_json::from_str(data.trim()).expect("json event"))
+        .collect();
+    let streamed: String = events
+        .iter()
+        .map(|e| e["token"]["text"].as_str().expect("text"))
+        .collect();
+    assert_eq!(streamed, " w2 w3 ");
+    let last = events.last().expect("events");
+    assert_eq!(last["generated_text"], " w2 w3 ");
+    assert_eq!(last["details"]["finish_reason"], "stop_sequence");
+}
+
+#[tokio::test]
+async fn many_requests_on_a_tiny_pool_all_finish_and_free_their_blocks() {
+    // 12 usable blocks of 4 tokens: 16 requests growing to 20 tokens each cannot all fit, so the
+    // scheduler must queue and preempt; every request still gets exactly its own tokens.
+    let server = server(13, 64).await;
+    let mut tasks = Vec::new();
+    for i in 0..16u32 {
+        let app = server.app.clone();
+        tasks.push(tokio::spawn(async move {
+            let start = i % 10;
+            let prompt = format!("w{start} w{}", start + 1);
+            let result = generate(&app, &prompt, 18).await;
+            (start, result)
+        }));
+    }
+    for task in tasks {
+        let (start, result) = task.await.expect("task");
+        let tokens = result["details"]["tokens"]
+            .as_array()
+            .expect("tokens")
+            .clone();
+        let expected: Vec<u64> = (0..tokens.len() as u32)
+            .map(|k| ((start + 2 + k) % FAKE_VOCAB_SIZE) as u64)
+            .collect();
+        let ids: Vec<u64> = tokens
+            .iter()
+            .map(|t| t["id"].as_u64().expect("id"))
+            .collect();
+        assert_eq!(ids, expected);
+    }
+    assert_eq!(idle_free_blocks(&server).await, 12);
+    // Every sequence the shard saw was released (they ride on the next call, so send one more).
+    generate(&server.app, "w1", 1).await;
+    assert!(server.shard.num_known() <= 1);
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_json_error_naming_the_field() {
+    let server = server(64, 8).await;
+    let cases = [
+        (
+            json!({"inputs": "w1", "parameters": {"top_p": 0}}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "top_p",
+        ),
+        (
+            json!({"inputs": "w1", "parameters": {"max_new_tokens": 500}}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "max-total-tokens",
+        ),
+        (
+            json!({"inputs": "w1", "surprise": true}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "surprise",
+        ),
+        (
+            json!({"inputs": 7}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "inputs",
+        ),
+        (
+            json!({"inputs": ""}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "inputs",
+        ),
+    ];
+    for (body, status, field) in cases {
+        let (got, _, text) = post(&server.app, "/generate", body.clone()).await;
+        assert_eq!(got, status, "{body}: {text}");
+        let error: Value = serde_json::from_str(&text).expect("json error");
+        assert!(
+            error["error"].as_str().expect("message").contains(field),
+            "{text}"
+        );
+        assert_eq!(error["error_type"], "validation");
+    }
+    let request = Request::builder()
+        .method("POST")
+        .uri("/generate")
+        .header("content-type", "application/json")
+        .body(Body::from("{oops"))
+        .expect("valid request");
+    let response = server
+        .app
+        .clone()
+        .oneshot(request)
+        .await
+        .expect("infallible");
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    // The server carries on.
+    assert_eq!(
+        generate(&server.app, "w1", 1).await["details"]["generated_tokens"],
+        1
+    );
+}
+
+#[tokio::test]
+async fn overload_gets_429_with_retry_after() {
+    let server = server(64, 0).await;
+    let (status, headers, text) = post(&server.app, "/generate", json!({"inputs": "w1"})).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(headers["retry-after"], "1");
+    assert!(text.contains("max-concurrent-requests"));
+}
+
+#[tokio::test]
+async fn info_reports_the_kv_pool() {
+    let server = server(64, 8).await;
+    generate(&server.app, "w1", 2).await;
+    let request = Request::builder()
+        .uri("/info")
+        .body(Body::empty())
+        .expect("valid request");
+    let response = server
+        .app
+        .clone()
+        .oneshot(request)
+        .await
+        .expect("infallible");
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let info: Value = serde_json::from_slice(&bytes).expect("json");
+    assert_eq!(info["kv"]["total_blocks"], 63);
+    assert_eq!(info["kv"]["block_size"], 4);
+    assert_eq!(idle_free_blocks(&server).await, 63);
+}

@@ -1,0 +1,113 @@
+"""Fixtures that start Rill the way a user does: `python launcher.py` with real shards, router and model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running launcher and the address of its router."""
+
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def info(self) -> dict:
+        return requests.get(f"{self.url}/info", timeout=10).json()
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict:
+        """Waits until no request is waiting or running; returns /info then."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.info()
+            kv = info["kv"]
+            if kv["waiting_requests"] == 0 and kv["running_requests"] == 0:
+                return info
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server still busy after {timeout_s}s: {kv}")
+            time.sleep(0.1)
+
+
+def start_server(model_path: Path, tmp_dir: Path, *extra_args: str, timeout_s: float = 300.0) -> Server:
+    port = free_port()
+    log_path = tmp_dir / f"launcher-{port}.log"
+    env = dict(os.environ)
+    if "RILL_ROUTER_BIN" in env:
+        extra_args = (*extra_args, "--router-bin", env["RILL_ROUTER_BIN"])
+    command = [
+        sys.executable, str(ROOT / "launcher.py"),
+        "--model-id", str(model_path),
+        "--port", str(port),
+        "--device", "cpu",
+        "--num-threads", "1",
+        *extra_args,
+    ]
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process in stop_server
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"launcher exited with {process.returncode}:\n{log_path.read_text()}")
+        try:
+            if requests.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"server not ready after {timeout_s}s:\n{log_path.read_text()}")
+        time.sleep(0.5)
+    return Server(process=process, url=url, log_path=log_path)
+
+
+def stop_server(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    from shard.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def server(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default model behind a small batch-token budget, so long prompts are prefilled in chunks."""
+    tmp_dir = tmp_path_factory.mktemp("server")
+    srv = start_server(
+        default_model, tmp_dir,
+        "--max-batch-tokens", "256",
+        "--max-batch-total-tokens", "40000",
+        "--max-batch-size", "32",
+    )
+    yield srv
+    stop_server(srv)
+    assert srv.process.returncode == 0, srv.log_path.read_text()[-3000:]
