@@ -68,6 +68,10 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except NotReadyError as error:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            except Exception:
+                # A shard bug or device failure: log the traceback here, tell the router only that it failed.
+                logger.exception("forward call failed")
+                await context.abort(grpc.StatusCode.INTERNAL, "shard internal error (see shard log)")
         raise AssertionError("unreachable: context.abort raises")
 
     async def Info(

@@ -32,8 +32,11 @@ GREEDY = SamplingParams(do_sample=False)
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
     """Writes a random-weight HF checkpoint (config.json + model.safetensors) into `path` and returns it."""
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig}[model_type]
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "mistral": transformers.MistralConfig,
+    }[model_type]
     config = config_class(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -47,7 +50,7 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
 
 
 def rewrite_config_transformers4(path: Path) -> None:
-    """Rewrites config.json the way transformers 4 wrote it: rope_theta/rope_scaling at top level, torch_dtype."""
+    """Rewrites config.json as transformers 4 wrote it: top-level rope_theta/rope_scaling, torch_dtype."""
     config = json.loads((path / "config.json").read_text())
     rope = dict(config.pop("rope_parameters"))
     config["rope_theta"] = rope.pop("rope_theta")
@@ -62,7 +65,9 @@ def hf_model(path: Path) -> torch.nn.Module:
 
 
 def make_runner(path: Path, block_size: int = 4, max_total_kv_tokens: int = 1024) -> ModelRunner:
-    runner = ModelRunner(ShardConfig(model_path=path, socket_path=path / "unused.sock", block_size=block_size))
+    runner = ModelRunner(
+        ShardConfig(model_path=path, socket_path=path / "unused.sock", block_size=block_size)
+    )
     runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=max_total_kv_tokens)
     return runner
 

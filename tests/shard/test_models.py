@@ -77,8 +77,13 @@ def test_mistral(tmp_path: Path) -> None:
 def test_transformers4_config_layout(tmp_path: Path, rope_type: str) -> None:
     scaling = None
     if rope_type == "llama3":
-        scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 16}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
     path = save_tiny_model(tmp_path, rope_theta=5000.0, rope_scaling=scaling)
     expected = all_position_logits(make_runner(path), PROMPT)
     rewrite_config_transformers4(path)

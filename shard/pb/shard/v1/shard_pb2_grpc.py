@@ -86,7 +86,8 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearCache(self, request, context):
-        """/ Drops every sequence's state on the shard (after an error, or at shutdown).
+        """/ Drops every sequence's state on the shard (after an error, or at shutdown); the router sends
+        / `params` again for any sequence it names afterwards.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,374 @@
+"""Starts and supervises Rill: the model shards, then the Rust router in front of them.
+
+Run: python launcher.py [flags]   (python launcher.py --help lists them; each also reads RILL_<FLAG>)
+With no arguments it serves the built-in SmolLM2-135M-Instruct at http://127.0.0.1:8080.
+
+Sequence: parse flags once into a `LaunchConfig`; start one `python -m shard.server` per rank on a unix
+socket in a private temp folder; wait until each answers the gRPC Health call; start `rill-router`
+(which calls Info and Warmup on the shards, then serves HTTP); wait until GET /health answers 200.
+Then supervise: if any child exits, stop the others (SIGTERM, SIGKILL after a grace period) and exit
+non-zero naming it; SIGINT/SIGTERM to the launcher stop everything and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+logger = logging.getLogger("rill.launcher")
+
+REPO_ROOT = Path(__file__).resolve().parent
+SHARD_START_TIMEOUT_S = 600.0  # model loading on a busy CPU, or a first CUDA init, can take minutes
+ROUTER_START_TIMEOUT_S = 600.0  # includes the shards' warmup forward
+STOP_GRACE_S = 10.0
+POLL_INTERVAL_S = 0.1
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Every launcher flag, resolved (no `None` left): built once by `parse_args`, then passed explicitly."""
+
+    model_id: Path
+    hostname: str
+    port: int
+    num_shard: int
+    device: str
+    dtype: str
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_tokens: int
+    max_batch_total_tokens: int
+    max_batch_size: int
+    kv_block_size: int
+    max_concurrent_requests: int
+    num_threads: int | None  # None: the shard keeps torch's default
+    router_bin: Path
+    log_level: str
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """Every flag's default comes from RILL_<FLAG> when set; argparse applies `type` to it."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    def flag(name: str, value_type: Callable[[str], object], default: object, help_text: str) -> None:
+        env_name = "RILL_" + name.upper().replace("-", "_")
+        shown = "auto" if default is None else default
+        parser.add_argument(
+            f"--{name}",
+            type=value_type,
+            default=environ.get(env_name, default),
+            help=f"{help_text} (env {env_name}; default: {shown})",
+        )
+
+    flag("model-id", Path, None, "Hugging Face-layout model folder; auto = built-in SmolLM2-135M-Instruct")
+    flag("hostname", str, "127.0.0.1", "address the router's HTTP server binds to")
+    flag("port", int, 8080, "port of the router's HTTP server")
+    flag("num-shard", int, 1, "number of tensor-parallel shard processes (only 1 is supported for now)")
+    flag("device", str, None, "cpu or cuda; auto = cuda when torch sees a GPU, else cpu")
+    flag("dtype", str, None, "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda")
+    flag("max-input-tokens", int, 4095, "most prompt tokens one request may have")
+    flag("max-total-tokens", int, 4096, "most tokens one request may reach, prompt + generated")
+    flag("max-batch-tokens", int, 2048, "most tokens the router puts in one forward pass (per iteration)")
+    flag("max-batch-total-tokens", int, 0, "KV cache capacity in tokens; 0 = what fits, found at warmup")
+    flag("max-batch-size", int, 64, "most sequences in one forward pass")
+    flag("kv-block-size", int, 16, "tokens per paged KV cache block")
+    flag("max-concurrent-requests", int, 128, "requests accepted at once (running + queued); beyond: 429")
+    flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
+    flag("router-bin", Path, None, "rill-router binary; auto = on PATH, else ./target/{release,debug}/")
+    flag("log-level", str, "info", "debug, info, warning or error (also RUST_LOG for the router when unset)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Parses flags (falling back to RILL_* variables, then defaults) and resolves every `auto` value."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    if args.num_shard != 1:
+        parser.error(f"--num-shard must be 1 for now (no tensor parallelism yet), got {args.num_shard}")
+    device = args.device or _default_device()
+    if device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {device!r}")
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if args.log_level.lower() not in ("debug", "info", "warning", "error"):
+        parser.error(f"--log-level must be debug, info, warning or error, got {args.log_level!r}")
+    if not 0 < args.max_input_tokens < args.max_total_tokens:
+        parser.error(
+            f"--max-input-tokens ({args.max_input_tokens}) must be > 0 and less than "
+            f"--max-total-tokens ({args.max_total_tokens})"
+        )
+    # Configured here, before the default model's first conversion logs its progress; a no-op when the
+    # caller (a test) has configured logging already.
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    num_threads = args.num_threads
+    if num_threads is None and device == "cpu":
+        num_threads = _num_cpus()
+    try:
+        router_bin = args.router_bin or find_router_bin(environ)
+        model_id = args.model_id or _default_model()
+    except RuntimeError as error:
+        parser.error(str(error))
+    if not model_id.is_dir():
+        parser.error(f"--model-id {model_id} is not a folder (expected a Hugging Face-layout model folder)")
+    return LaunchConfig(
+        model_id=model_id,
+        hostname=args.hostname,
+        port=args.port,
+        num_shard=args.num_shard,
+        device=device,
+        dtype=dtype,
+        max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+        max_batch_size=args.max_batch_size,
+        kv_block_size=args.kv_block_size,
+        max_concurrent_requests=args.max_concurrent_requests,
+        num_threads=num_threads,
+        router_bin=router_bin,
+        log_level=args.log_level.lower(),
+    )
+
+
+def _default_device() -> str:
+    import torch  # imported only when --device is left to auto
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _num_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _default_model() -> Path:
+    from shard.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def find_router_bin(environ: Mapping[str, str]) -> Path:
+    """`rill-router` on PATH or next to this Python (pip installs it there), else a cargo build
+    (in $CARGO_TARGET_DIR when set, else ./target), release before debug."""
+    candidates = [
+        shutil.which("rill-router", path=environ.get("PATH")),
+        shutil.which("rill-router", path=str(Path(sys.executable).parent)),
+    ]
+    for found in candidates:
+        if found:
+            return Path(found)
+    target_dir = Path(environ.get("CARGO_TARGET_DIR") or REPO_ROOT / "target")
+    for profile in ("release", "debug"):
+        path = target_dir / profile / "rill-router"
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise RuntimeError(
+        "rill-router not found on PATH nor in ./target/release or ./target/debug: build it with "
+        "`cargo build --release` (or `pip install .`), or pass --router-bin PATH"
+    )
+
+
+def shard_command(config: LaunchConfig, socket_path: Path, rank: int) -> list[str]:
+    command = [
+        sys.executable, "-m", "shard.server",
+        "--model-id", str(config.model_id),
+        "--socket", str(socket_path),
+        "--device", config.device,
+        "--dtype", config.dtype,
+        "--kv-block-size", str(config.kv_block_size),
+        "--rank", str(rank),
+        "--world-size", str(config.num_shard),
+    ]  # fmt: skip
+    if config.num_threads is not None:
+        command += ["--num-threads", str(config.num_threads)]
+    return command
+
+
+def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[str]:
+    command = [
+        str(config.router_bin),
+        "--model-id", str(config.model_id),
+        "--hostname", config.hostname,
+        "--port", str(config.port),
+    ]  # fmt: skip
+    for socket_path in socket_paths:
+        command += ["--shard-socket", str(socket_path)]
+    return command + [
+        "--max-input-tokens", str(config.max_input_tokens),
+        "--max-total-tokens", str(config.max_total_tokens),
+        "--max-batch-tokens", str(config.max_batch_tokens),
+        "--max-batch-total-tokens", str(config.max_batch_total_tokens),
+        "--max-batch-size", str(config.max_batch_size),
+        "--max-concurrent-requests", str(config.max_concurrent_requests),
+    ]  # fmt: skip
+
+
+class ChildExited(RuntimeError):
+    def __init__(self, name: str, returncode: int) -> None:
+        self.name, self.returncode = name, returncode
+        reason = f" (killed by {signal.Signals(-returncode).name})" if returncode < 0 else ""
+        super().__init__(f"{name} exited with code {returncode}{reason}")
+
+
+class ShutdownRequested(Exception):
+    pass
+
+
+class Supervisor:
+    """The launcher's children by name. Each runs in its own session, so a terminal's Ctrl-C reaches
+    only the launcher, which then stops the children in order (router first, then shards)."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.stop_requested = threading.Event()
+
+    def start(self, name: str, command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        logger.info("starting %s: %s", name, " ".join(command))
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        self.children[name] = process
+        logger.info("%s has pid %d", name, process.pid)
+
+    def check(self) -> None:
+        """Raises `ShutdownRequested` after a signal, or `ChildExited` for the first child that exited."""
+        if self.stop_requested.is_set():
+            raise ShutdownRequested
+        for name, process in self.children.items():
+            returncode = process.poll()
+            if returncode is not None:
+                raise ChildExited(name, returncode)
+
+    def wait_until(self, is_ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Polls `is_ready` until true, failing fast if a child exits or a signal arrives."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check()
+            if is_ready():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} was not ready after {timeout_s:.0f} s")
+            time.sleep(POLL_INTERVAL_S)
+
+    def supervise(self) -> None:
+        """Blocks until a child exits (raises `ChildExited`) or a signal arrives (`ShutdownRequested`)."""
+        while True:
+            self.check()
+            self.stop_requested.wait(POLL_INTERVAL_S)
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM to every child's process group, newest first; SIGKILL what is left after `grace_s`."""
+        alive = [(name, child) for name, child in reversed(self.children.items()) if child.poll() is None]
+        for name, process in alive:
+            logger.info("stopping %s (pid %d)", name, process.pid)
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for name, process in alive:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        for process in self.children.values():
+            _signal_group(process, signal.SIGKILL)  # grandchildren left in a dead child's group
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)  # start_new_session made the child its group's leader
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group is gone already
+
+
+def shard_is_healthy(socket_path: Path) -> bool:
+    import grpc
+
+    from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
+
+    if not socket_path.exists():
+        return False
+    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+        try:
+            shard_pb2_grpc.ShardStub(channel).Health(shard_pb2.HealthRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def router_is_healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
+    """Starts every component and supervises them until one exits or a signal arrives."""
+    with tempfile.TemporaryDirectory(prefix="rill-") as socket_dir:  # mode 0700: private sockets
+        socket_paths = [Path(socket_dir) / f"shard-{rank}.sock" for rank in range(config.num_shard)]
+        shard_env = {
+            **os.environ,
+            "OMP_WAIT_POLICY": "PASSIVE",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        }
+        for rank, socket_path in enumerate(socket_paths):
+            supervisor.start(f"shard-{rank}", shard_command(config, socket_path, rank), shard_env)
+        for rank, socket_path in enumerate(socket_paths):
+            is_ready = functools.partial(shard_is_healthy, socket_path)
+            supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)
+            logger.info("shard-%d is healthy", rank)
+
+        router_env = {"RUST_LOG": config.log_level, **os.environ}
+        supervisor.start("router", router_command(config, socket_paths), router_env)
+        connect_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(config.hostname, config.hostname)
+        if ":" in connect_host and not connect_host.startswith("["):
+            connect_host = f"[{connect_host}]"
+        base_url = f"http://{connect_host}:{config.port}"
+        is_ready = functools.partial(router_is_healthy, base_url)
+        supervisor.wait_until(is_ready, "router", ROUTER_START_TIMEOUT_S)
+        logger.info("Rill is serving %s at http://%s:%d", config.model_id, config.hostname, config.port)
+        supervisor.supervise()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    supervisor = Supervisor()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        supervisor.stop_requested.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        serve(config, supervisor)
+    except ShutdownRequested:
+        pass
+    except (ChildExited, TimeoutError) as error:
+        logger.error("%s; stopping Rill", error)
+        return 1
+    finally:
+        supervisor.stop_all()
+    logger.info("Rill stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The shard server as a real subprocess on a unix socket, driven through the generated gRPC stubs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import save_tiny_model
+from test_runner import hf_greedy
+
+from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = save_tiny_model(tmp_path_factory.mktemp("server-model"), eos_token_id=[2, 7])
+    (path / "generation_config.json").write_text('{"eos_token_id": [7, 9]}')
+    return path
+
+
+@pytest.fixture(scope="module")
+def stub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[shard_pb2_grpc.ShardStub]:
+    socket_path = tmp_path_factory.mktemp("sock") / "shard.sock"
+    log_path = socket_path.with_suffix(".log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "shard.server",
+                "--model-id",
+                str(model_dir),
+                "--socket",
+                str(socket_path),
+                "--kv-block-size",
+                str(BLOCK_SIZE),
+                "--num-threads",
+                "1",
+            ],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    channel = grpc.insecure_channel(f"unix://{socket_path}")
+    try:
+        deadline = time.monotonic() + 60
+        while not socket_path.exists():
+            assert process.poll() is None, f"shard exited early:\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"shard did not start:\n{log_path.read_text()}"
+            time.sleep(0.1)
+        grpc.channel_ready_future(channel).result(timeout=30)
+        yield shard_pb2_grpc.ShardStub(channel)
+    finally:
+        channel.close()
+        process.terminate()
+        process.wait(timeout=30)
+    assert process.returncode == 0, log_path.read_text()
+    assert not socket_path.exists()
+
+
+def forward_request(
+    seq_id: int, token_ids: list[int], num_computed_tokens: int, with_params: bool = False, **fields: object
+) -> shard_pb2.ForwardRequest:
+    num_blocks = -(-(num_computed_tokens + len(token_ids)) // BLOCK_SIZE)
+    chunk = shard_pb2.SequenceChunk(
+        id=seq_id,
+        token_ids=token_ids,
+        num_computed_tokens=num_computed_tokens,
+        block_table=list(range(1 + 10 * seq_id, 1 + 10 * seq_id + num_blocks)),
+        sample=True,
+    )
+    if with_params:
+        chunk.params.CopyFrom(shard_pb2.SamplingParams(do_sample=False))
+    return shard_pb2.ForwardRequest(sequences=[chunk], **fields)
+
+
+def test_info_health_warmup_and_greedy_decode(stub: shard_pb2_grpc.ShardStub, model_dir: Path) -> None:
+    info = stub.Info(shard_pb2.InfoRequest())
+    assert (info.model_type, info.dtype, info.device) == ("llama", "float32", "cpu")
+    assert (info.block_size, info.vocab_size, info.max_position_embeddings, info.world_size) == (
+        4,
+        300,
+        512,
+        1,
+    )
+    assert list(info.eos_token_ids) == [2, 7, 9]
+    stub.Health(shard_pb2.HealthRequest())
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Prefill(forward_request(0, [1, 2], 0, with_params=True))
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    warmup = stub.Warmup(
+        shard_pb2.WarmupRequest(max_batch_tokens=32, max_batch_size=4, max_total_kv_tokens=400)
+    )
+    assert warmup.num_blocks == 101
+
+    prompt, num_new_tokens = [3, 141, 59, 26, 53, 58, 97, 1], 6
+    response = stub.Prefill(forward_request(1, prompt, 0, with_params=True))
+    assert response.forward_time_us > 0
+    tokens = [response.generations[0].token_id]
+    assert response.generations[0].id == 1 and response.generations[0].logprob <= 0
+    for step in range(num_new_tokens - 1):
+        response = stub.Decode(forward_request(1, tokens[-1:], len(prompt) + step))
+        tokens.append(response.generations[0].token_id)
+    assert tokens == hf_greedy(model_dir, prompt, num_new_tokens)
+
+    stub.Decode(forward_request(1, tokens[-1:], len(prompt) + num_new_tokens - 1, released_ids=[7]))
+    stub.ClearCache(shard_pb2.ClearCacheRequest())
+
+
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(stub: shard_pb2_grpc.ShardStub) -> None:
+    stub.Warmup(shard_pb2.WarmupRequest(max_batch_tokens=32, max_batch_size=4, max_total_kv_tokens=400))
+    bad_requests = {
+        "out of range": forward_request(2, [1, 300], 0, with_params=True),
+        "params missing": forward_request(3, [1, 2], 0),
+        "exactly one token": forward_request(2, [1, 2], 0, with_params=True),
+    }
+    for message, request in bad_requests.items():
+        call = stub.Decode if message == "exactly one token" else stub.Prefill
+        with pytest.raises(grpc.RpcError) as error:
+            call(request)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.value.details()
+    response = stub.Prefill(forward_request(2, [1, 2, 3], 0, with_params=True))
+    assert len(response.generations) == 1
+    stub.Health(shard_pb2.HealthRequest())
