@@ -89,6 +89,7 @@ impl Sequence {
             top_k: sampling.top_k,
             top_p: sampling.top_p,
             seed: sampling.seed,
+            ..Default::default()
         });
         self.is_known_to_shards = true;
         pb::SequenceChunk {
@@ -98,6 +99,7 @@ impl Sequence {
             block_table: self.blocks.clone(),
             sample: end == self.token_ids.len(),
             params,
+            cached_token_ids: Vec::new(),
         }
     }
 

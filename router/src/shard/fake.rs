@@ -73,6 +73,7 @@ impl FakeShard {
                     id: chunk.id,
                     token_id: (last + 1) % FAKE_VOCAB_SIZE,
                     logprob: -0.5,
+                    top_logprobs: Vec::new(),
                 });
             }
         }
