@@ -135,19 +135,24 @@ def test_stream_concatenates_to_the_full_text(server: Server, prompt: str) -> No
 
 
 def test_short_request_overtakes_a_long_one(server: Server) -> None:
-    finished: dict[str, float] = {}
+    counting = ", ".join(str(i) for i in range(1, 40)) + ","
+    long_result: dict[str, object] = {}
 
-    def run(name: str, max_new_tokens: int) -> None:
-        generate(server, "Write a long story about a dragon.", max_new_tokens=max_new_tokens,
-                 stop=[], details=False)
-        finished[name] = time.monotonic()
+    def run_long() -> None:
+        long_result["events"] = stream(server, counting, max_new_tokens=150)
+        long_result["finished"] = time.monotonic()
 
-    long_thread = threading.Thread(target=run, args=("long", 120))
+    long_thread = threading.Thread(target=run_long)
     long_thread.start()
     time.sleep(1.0)  # the long generation is decoding by now
-    run("short", 4)
+    short = generate(server, "Hello", max_new_tokens=4)
+    short_finished = time.monotonic()
     long_thread.join()
-    assert finished["short"] < finished["long"]
+    events = long_result["events"]
+    assert isinstance(events, list)
+    assert events[-1]["details"]["finish_reason"] == "length", "the long request ended early; pick another prompt"
+    assert short["details"]["generated_tokens"] == 4
+    assert short_finished < long_result["finished"]
 
 
 def test_stop_sequence_and_eos_end_generation(server: Server) -> None:
