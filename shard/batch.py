@@ -2,7 +2,7 @@
 
 `BatchState.prepare` checks a `ForwardRequest` against the model and the KV pool and builds the tensors the
 forward pass needs. It raises ValueError, naming the sequence and field, for anything a caller can get wrong;
-nothing is mutated before validation passes.
+nothing is mutated before validation passes. `TokenHistory` is the per-sequence token record penalties read.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ class SequenceChunk:
     block_table: list[int]
     sample: bool
     params: SamplingParams | None = None
+    # Sent with params only: the token ids at positions [0, num_computed_tokens), for penalties.
+    cached_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,17 @@ class ForwardRequest:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
 class Generation:
     id: int
     token_id: int
-    logprob: float
+    logprob: float  # under the raw distribution
+    top_logprobs: list[TopLogprob] = field(default_factory=list)  # most likely first
 
 
 @dataclass(frozen=True)
@@ -131,7 +140,7 @@ def _validate(
         raise ValueError(f"{where}: params missing, and the shard has none stored for this id")
     if seq.params is not None:
         try:
-            seq.params.validate()
+            seq.params.validate(limits.vocab_size)
         except ValueError as error:
             raise ValueError(f"{where}: params: {error}") from None
     if not seq.token_ids:
@@ -139,6 +148,19 @@ def _validate(
     bad_tokens = [t for t in seq.token_ids if not 0 <= t < limits.vocab_size]
     if bad_tokens:
         raise ValueError(f"{where}: token_ids {bad_tokens[:5]} out of range [0, {limits.vocab_size})")
+    if seq.cached_token_ids:
+        if seq.params is None:
+            raise ValueError(f"{where}: cached_token_ids sent without params")
+        if len(seq.cached_token_ids) != seq.num_computed_tokens:
+            raise ValueError(
+                f"{where}: cached_token_ids has {len(seq.cached_token_ids)} tokens, "
+                f"num_computed_tokens is {seq.num_computed_tokens}"
+            )
+        bad_tokens = [t for t in seq.cached_token_ids if not 0 <= t < limits.vocab_size]
+        if bad_tokens:
+            raise ValueError(
+                f"{where}: cached_token_ids {bad_tokens[:5]} out of range [0, {limits.vocab_size})"
+            )
     context_len = seq.num_computed_tokens + len(seq.token_ids)
     if context_len > limits.max_position_embeddings:
         raise ValueError(
@@ -157,3 +179,51 @@ def _validate(
             f"{where}: block_table ids {bad_blocks[:5]} out of range [1, {limits.num_blocks}) "
             "(block 0 is the null block)"
         )
+
+
+class TokenHistory:
+    """The token ids of each sequence whose params have a penalty, at positions 0, 1, ...: `cached_token_ids`
+    (sent with params) followed by the `token_ids` of every chunk. Kept by id like the params; the runner
+    drops an id when it is released and everything on ClearCache. Sequences without a penalty keep none."""
+
+    def __init__(self) -> None:
+        self.token_ids_by_id: dict[int, list[int]] = {}
+
+    def get(self, seq_id: int) -> list[int]:
+        return self.token_ids_by_id.get(seq_id, [])
+
+    def record(self, sequences: list[SequenceChunk], params_by_id: dict[int, SamplingParams]) -> None:
+        """Appends each chunk's tokens, at its positions. Checks every chunk before changing anything, and
+        raises ValueError when a penalized sequence's earlier tokens are missing. A chunk with params
+        (re)starts the sequence's history; `params_by_id` gives the params of the others."""
+        for seq in sequences:
+            params = seq.params or params_by_id[seq.id]
+            if not params.needs_history or seq.num_computed_tokens == 0:
+                continue
+            if seq.params is not None:
+                num_known = len(seq.cached_token_ids)
+                missing = "cached_token_ids must carry them when a penalty is on"
+            else:
+                num_known = len(self.get(seq.id))
+                missing = "the shard has seen fewer"
+            if num_known < seq.num_computed_tokens:
+                raise ValueError(
+                    f"sequence {seq.id}: penalties need the tokens at positions "
+                    f"[0, {seq.num_computed_tokens}), but only {num_known} are known ({missing})"
+                )
+        for seq in sequences:
+            params = seq.params or params_by_id[seq.id]
+            if not params.needs_history:
+                self.token_ids_by_id.pop(seq.id, None)
+            elif seq.params is not None:
+                self.token_ids_by_id[seq.id] = [*seq.cached_token_ids, *seq.token_ids]
+            else:
+                history = self.token_ids_by_id.setdefault(seq.id, [])
+                del history[seq.num_computed_tokens :]  # a chunk at earlier positions replaces what was there
+                history.extend(seq.token_ids)
+
+    def release(self, seq_id: int) -> None:
+        self.token_ids_by_id.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self.token_ids_by_id.clear()

@@ -1,12 +1,14 @@
 """`ModelRunner`: owns the model, the KV pool and per-sequence sampling params; prepare -> forward -> sample.
 
 Lifecycle: load (constructor) -> `warmup` once (sizes and allocates the pool) -> `forward` per router call.
-Per-sequence state is only the `SamplingParams`, kept by id from the first call that sends them until the
-id is named in `released_ids`; the KV blocks and block tables belong to the router.
+Per-sequence state is the `SamplingParams` and, for sequences with a penalty, the `TokenHistory`, kept by id
+from the first call that sends the params until the id is named in `released_ids` (or ClearCache); the KV
+blocks and block tables belong to the router.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -15,7 +17,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shard.batch import BatchLimits, BatchState, ForwardRequest, Generation, SequenceChunk
+from shard import distributed
+from shard.batch import (
+    BatchLimits,
+    BatchState,
+    ForwardRequest,
+    Generation,
+    SequenceChunk,
+    TokenHistory,
+    TopLogprob,
+)
 from shard.config import ShardConfig
 from shard.kv_cache import KVCache
 from shard.layers.attention import ForwardContext, forward_context
@@ -27,6 +38,21 @@ logger = logging.getLogger(__name__)
 
 CPU_KV_MEMORY_FRACTION = 0.25  # of MemAvailable
 CUDA_KV_MEMORY_FRACTION = 0.90  # of free device memory after the warmup forward
+# Every logit processor on, so the warmup forward reaches the sampler's peak memory.
+WARMUP_PARAMS = SamplingParams(
+    do_sample=True,
+    top_k=50,
+    top_p=0.9,
+    repetition_penalty=1.1,
+    frequency_penalty=0.1,
+    presence_penalty=0.1,
+    logit_bias={0: 1.0},
+    min_p=0.05,
+    typical_p=0.9,
+    top_n_logprobs=20,
+    stop_token_ids=(0,),
+    min_new_tokens=1,
+)
 
 
 class NotReadyError(RuntimeError):
@@ -41,6 +67,8 @@ class ModelRunner:
         self.hf_config = load_hf_config(config.model_path)
         self.model_type: str = self.hf_config.get("model_type", "")
         model_class = get_model_class(self.model_type)
+        # Before the model is built: its parallel layers read this rank's place in the group.
+        distributed.init(config.rank, config.world_size, config.dist_init_method, self.device)
         self.model_config = model_class.config_class.from_hf(self.hf_config)
         with torch.device(self.device):
             self.model: nn.Module = model_class(self.model_config).to(self.dtype)
@@ -49,6 +77,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
         self.kv_cache: KVCache | None = None
         self.params_by_id: dict[int, SamplingParams] = {}
+        self.history = TokenHistory()
         num_params = sum(p.numel() for p in self.model.parameters())
         logger.info(
             "loaded %s (%s, %.1fM parameters) from %s on %s as %s",
@@ -74,7 +103,7 @@ class ModelRunner:
             cfg.num_hidden_layers,
             num_blocks,
             self.config.block_size,
-            cfg.num_key_value_heads,
+            self.model.num_kv_heads,  # this rank's KV heads only
             cfg.head_dim,
             self.dtype,
             self.device,
@@ -83,7 +112,7 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         cfg = self.model_config
         return KVCache.bytes_per_block(
-            cfg.num_hidden_layers, self.config.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers, self.config.block_size, self.model.num_kv_heads, cfg.head_dim, self.dtype
         )
 
     @torch.inference_mode()
@@ -97,7 +126,7 @@ class ModelRunner:
             )
         block_size = self.config.block_size
         self.kv_cache = None
-        self.params_by_id.clear()
+        self.clear()
         # A throwaway pool just large enough for the dummy batch: one long sequence plus single-token ones.
         self.kv_cache = self._new_kv_cache(1 + -(-max_batch_tokens // block_size) + max_batch_size)
         lengths = [max_batch_tokens - (max_batch_size - 1)] + [1] * (max_batch_size - 1)
@@ -112,7 +141,7 @@ class ModelRunner:
                     num_computed_tokens=0,
                     block_table=list(range(next_block, next_block + num_blocks)),
                     sample=True,
-                    params=SamplingParams(do_sample=True, temperature=1.0, top_k=50, top_p=0.9, seed=i),
+                    params=dataclasses.replace(WARMUP_PARAMS, seed=i),
                 )
             )
             next_block += num_blocks
@@ -124,9 +153,10 @@ class ModelRunner:
             max_batch_size,
             time.perf_counter() - start,
         )
-        self.params_by_id.clear()
+        self.clear()
         self.kv_cache = None
-        num_blocks = self._decide_num_blocks(max_total_kv_tokens)
+        # Every rank uses the router's block tables, so every pool needs the same number of blocks.
+        num_blocks = distributed.all_reduce_min(self._decide_num_blocks(max_total_kv_tokens))
         self.kv_cache = self._new_kv_cache(num_blocks)
         return num_blocks
 
@@ -163,6 +193,7 @@ class ModelRunner:
             raise NotReadyError("Warmup must be called before Prefill or Decode")
         for seq_id in request.released_ids:
             self.params_by_id.pop(seq_id, None)
+            self.history.release(seq_id)
         return self._run(request)
 
     def _run(self, request: ForwardRequest, check_lengths: bool = True) -> list[Generation]:
@@ -170,13 +201,28 @@ class ModelRunner:
         if not batch.sample_ids:
             return []
         sampling = SamplingBatch.build(
-            [self.params_by_id[seq_id] for seq_id in batch.sample_ids], batch.sample_positions, self.device
+            [self.params_by_id[seq_id] for seq_id in batch.sample_ids],
+            batch.sample_positions,
+            self.device,
+            histories=[self.history.get(seq_id) for seq_id in batch.sample_ids],
+            vocab_size=self.vocab_size,
         )
-        token_ids, logprobs = sample(logits, sampling)
+        out = sample(logits, sampling)
         return [
-            Generation(id=seq_id, token_id=token_id, logprob=logprob)
-            for seq_id, token_id, logprob in zip(
-                batch.sample_ids, token_ids.tolist(), logprobs.tolist(), strict=True
+            Generation(
+                id=seq_id,
+                token_id=token_id,
+                logprob=logprob,
+                top_logprobs=[TopLogprob(t, lp) for t, lp in zip(top_ids[:n], top_lps[:n], strict=True)],
+            )
+            for seq_id, token_id, logprob, top_ids, top_lps, n in zip(
+                batch.sample_ids,
+                out.token_ids.tolist(),
+                out.logprobs.tolist(),
+                out.top_token_ids.tolist(),
+                out.top_logprobs.tolist(),
+                sampling.top_n_logprobs,
+                strict=True,
             )
         ]
 
@@ -195,6 +241,7 @@ class ModelRunner:
             num_blocks=self.kv_cache.num_blocks,
         )
         batch = BatchState.prepare(request.sequences, self.params_by_id, limits, self.device)
+        self.history.record(request.sequences, self.params_by_id)
         for seq in request.sequences:
             if seq.params is not None:
                 self.params_by_id[seq.id] = seq.params
@@ -213,6 +260,7 @@ class ModelRunner:
     def clear(self) -> None:
         """Forgets every sequence (the pool's contents are the router's business and stay allocated)."""
         self.params_by_id.clear()
+        self.history.clear()
 
     def health(self) -> None:
         """A tiny device op: raises if the device is unusable."""

@@ -1,6 +1,8 @@
 """The shard's gRPC server: converts protobuf to internal types, calls the ModelRunner, converts back.
 
 Run:  python -m shard.server --model-id PATH --socket /tmp/rill-shard-0.sock [--device cpu] [--dtype float32]
+      (tensor parallelism: one process per rank, each with --rank R --world-size N --dist-init-method URL;
+      launcher.py --num-shard N does this)
 Forward calls run one at a time in a worker thread so the event loop keeps answering Health. A ValueError from
 the runner (bad input) becomes INVALID_ARGUMENT with its message; the server then carries on.
 """
@@ -19,7 +21,7 @@ from typing import TypeVar
 import grpc
 import torch
 
-from shard.batch import ForwardRequest, SequenceChunk
+from shard.batch import ForwardRequest, Generation, SequenceChunk
 from shard.config import DEVICES, DTYPES, ShardConfig
 from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from shard.runner import ModelRunner, NotReadyError
@@ -28,6 +30,27 @@ from shard.sampling import SamplingParams
 logger = logging.getLogger("shard.server")
 
 T = TypeVar("T")
+
+
+def sampling_params_from_pb(params: shard_pb2.SamplingParams) -> SamplingParams:
+    """Unset proto fields are 0; `SamplingParams` reads 0 as off for repetition_penalty and typical_p."""
+    return SamplingParams(
+        do_sample=params.do_sample,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_p=params.min_p,
+        typical_p=params.typical_p,
+        top_n_logprobs=params.top_n_logprobs,
+        num_prompt_tokens=params.num_prompt_tokens,
+        min_new_tokens=params.min_new_tokens,
+        stop_token_ids=tuple(params.stop_token_ids),
+    )
 
 
 def forward_request_from_pb(request: shard_pb2.ForwardRequest) -> ForwardRequest:
@@ -40,17 +63,21 @@ def forward_request_from_pb(request: shard_pb2.ForwardRequest) -> ForwardRequest
                 num_computed_tokens=seq.num_computed_tokens,
                 block_table=list(seq.block_table),
                 sample=seq.sample,
-                params=SamplingParams(
-                    do_sample=seq.params.do_sample,
-                    temperature=seq.params.temperature,
-                    top_k=seq.params.top_k,
-                    top_p=seq.params.top_p,
-                    seed=seq.params.seed,
-                )
-                if seq.HasField("params")
-                else None,
+                params=sampling_params_from_pb(seq.params) if seq.HasField("params") else None,
+                cached_token_ids=list(seq.cached_token_ids),
             )
             for seq in request.sequences
+        ],
+    )
+
+
+def generation_to_pb(generation: Generation) -> shard_pb2.Generation:
+    return shard_pb2.Generation(
+        id=generation.id,
+        token_id=generation.token_id,
+        logprob=generation.logprob,
+        top_logprobs=[
+            shard_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in generation.top_logprobs
         ],
     )
 
@@ -113,9 +140,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         start = time.perf_counter()
         generations = await self._call(context, lambda: self.runner.forward(forward_request))
         return shard_pb2.ForwardResponse(
-            generations=[
-                shard_pb2.Generation(id=g.id, token_id=g.token_id, logprob=g.logprob) for g in generations
-            ],
+            generations=[generation_to_pb(g) for g in generations],
             forward_time_us=int((time.perf_counter() - start) * 1e6),
         )
 
@@ -142,7 +167,13 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
 
 
 async def serve(config: ShardConfig) -> None:
-    runner = ModelRunner(config)
+    try:
+        runner = ModelRunner(config)
+    except ValueError as error:  # a model this configuration cannot serve (e.g. heads not divisible by N)
+        logger.error(
+            "rank %d/%d cannot load %s: %s", config.rank, config.world_size, config.model_path, error
+        )
+        raise SystemExit(2) from None
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 256 * 2**20),
@@ -193,6 +224,12 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
     )
     parser.add_argument("--rank", type=int, default=0, help="this shard's tensor-parallel rank (default: 0)")
     parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks (default: 1)")
+    parser.add_argument(
+        "--dist-init-method",
+        default=None,
+        help="torch.distributed rendezvous URL shared by every rank (tcp://HOST:PORT or file:///PATH); "
+        "required when --world-size > 1",
+    )
     args = parser.parse_args(argv)
     try:
         config = ShardConfig(
@@ -204,11 +241,10 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             rank=args.rank,
             world_size=args.world_size,
             num_threads=args.num_threads,
+            dist_init_method=args.dist_init_method,
         )
     except ValueError as error:
         parser.error(str(error))
-    if config.world_size != 1:
-        parser.error("tensor parallelism is not implemented yet: --world-size must be 1")
     return config
 
 

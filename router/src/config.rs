@@ -42,6 +42,9 @@ pub struct Args {
     /// Most stop sequences one request may give.
     #[arg(long, default_value_t = 4, env = "RILL_MAX_STOP_SEQUENCES")]
     pub max_stop_sequences: u32,
+    /// Model name of the OpenAI API (`/v1/models`, the `model` field); default: the model folder's name.
+    #[arg(long, env = "RILL_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
     /// Seconds to wait for the shards' sockets to answer at start.
     #[arg(long, default_value_t = 60)]
     pub shard_connect_timeout: u64,
@@ -67,6 +70,7 @@ pub struct BatchConfig {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub model_id: PathBuf,
+    pub served_model_name: String,
     pub addr: SocketAddr,
     pub shard_sockets: Vec<PathBuf>,
     pub shard_connect_timeout_s: u64,
@@ -90,7 +94,15 @@ impl Config {
             "--max-batch-tokens must be positive"
         );
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
+        let served_model_name = args.served_model_name.unwrap_or_else(|| {
+            let name = args
+                .model_id
+                .file_name()
+                .unwrap_or(args.model_id.as_os_str());
+            name.to_string_lossy().into_owned()
+        });
         Ok(Self {
+            served_model_name,
             model_id: args.model_id,
             addr,
             shard_sockets: args.shard_sockets,

@@ -2,6 +2,7 @@
 //! Usually started by `launcher.py`; run `rill-router --help` for the flags.
 
 mod api;
+mod chat_template;
 mod config;
 mod engine;
 mod http;
@@ -98,13 +99,28 @@ async fn main() -> anyhow::Result<()> {
 
     // A single sequence may use the whole pool except the admission watermark.
     let max_kv_tokens = (num_usable_blocks - watermark_blocks) * block_size;
+    let chat_template = chat_template::ChatTemplate::load(&config.model_id)?.map(Arc::new);
+    if chat_template.is_none() {
+        tracing::warn!("the model has no chat template: /v1/chat/completions will answer 422");
+    }
     let state = http::AppState {
         engine: EngineHandle::new(inbox_tx, stats),
-        validator: Validator::new(tokenizer, config.limits.clone(), max_kv_tokens),
+        validator: Validator::new(
+            tokenizer,
+            config.limits.clone(),
+            shard_info.vocab_size,
+            max_kv_tokens,
+        ),
         admission: Arc::new(Semaphore::new(
             config.limits.max_concurrent_requests as usize,
         )),
+        chat_template,
         model_id: config.model_id.display().to_string(),
+        served_model_name: config.served_model_name.clone(),
+        started_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default(),
         shard_info,
         limits: config.limits.clone(),
         batch: config.batch.clone(),

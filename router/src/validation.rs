@@ -1,47 +1,156 @@
-//! The one place client input is checked: `GenerateRequest -> ValidRequest`. Downstream code takes only
-//! `ValidRequest`, so nothing unchecked reaches the engine. Messages name the field and the bound.
+//! The one place client input is checked. Both APIs turn their bodies into a `GenerateInput`;
+//! `Validator::validate` turns that into a `ValidRequest` (tokenized, every limit checked, defaults
+//! filled). Downstream code takes only `ValidRequest`, so nothing unchecked reaches the engine.
+//! Messages name the field and the bound.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use thiserror::Error;
 use tokenizers::Tokenizer;
 
-use crate::{api::GenerateRequest, config::LimitsConfig};
+use crate::config::LimitsConfig;
+
+/// Most alternatives per position a request may ask logprobs for.
+pub const MAX_TOP_N_TOKENS: u32 = 20;
 
 #[derive(Debug, Error)]
 pub enum ValidationError {
-    #[error("`inputs` must not be empty")]
-    EmptyInput,
-    #[error("`inputs` has {0} tokens; the limit is --max-input-tokens = {1}")]
+    #[error("`{0}` must not be empty")]
+    EmptyInput(&'static str),
+    #[error("the prompt has {0} tokens; the limit is --max-input-tokens = {1}")]
     InputTooLong(usize, u32),
-    #[error("`max_new_tokens` must be at least 1")]
-    MaxNewTokensZero,
-    #[error("`inputs` tokens + `max_new_tokens` = {0} + {1} exceeds --max-total-tokens = {2}")]
-    TotalTooLong(usize, u32, u32),
-    #[error("`inputs` tokens + `max_new_tokens` = {0} tokens needs more KV memory than the whole pool holds ({1} tokens)")]
-    ExceedsKvPool(usize, usize),
-    #[error("`temperature` must be a number > 0, got {0}")]
-    Temperature(f32),
-    #[error("`top_p` must be in (0, 1], got {0}")]
-    TopP(f32),
-    #[error("`top_k` must be > 0, got 0")]
-    TopK,
-    #[error("`stop` has {0} sequences; the limit is {1}")]
+    #[error("`{0}` must be at least 1")]
+    MaxNewTokensZero(&'static str),
+    #[error("prompt tokens + `{field}` = {0} + {1} exceeds --max-total-tokens = {2}", field = .3)]
+    TotalTooLong(usize, u32, u32, &'static str),
+    #[error("prompt tokens + `{field}` = {0} tokens needs more KV memory than the whole pool holds ({1} tokens)", field = .2)]
+    ExceedsKvPool(usize, usize, &'static str),
+    #[error("`{0}` must be {1}, got {2}")]
+    OutOfRange(&'static str, &'static str, String),
+    #[error("`stop` has {0} sequences; the limit is --max-stop-sequences = {1}")]
     TooManyStops(usize, u32),
     #[error("`stop` sequences must not be empty strings")]
     EmptyStop,
+    #[error("token id {0} in `{1}` is outside the vocabulary (size {2})")]
+    TokenOutOfVocab(u32, &'static str, u32),
     #[error("tokenizer error: {0}")]
     Tokenizer(String),
 }
 
+impl ValidationError {
+    /// The request field the error is about, for APIs that report it separately (OpenAI's `param`).
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            ValidationError::EmptyInput(f)
+            | ValidationError::MaxNewTokensZero(f)
+            | ValidationError::OutOfRange(f, _, _)
+            | ValidationError::TokenOutOfVocab(_, f, _) => Some(f),
+            ValidationError::TotalTooLong(.., f) | ValidationError::ExceedsKvPool(.., f) => Some(f),
+            ValidationError::TooManyStops(..) | ValidationError::EmptyStop => Some("stop"),
+            _ => None,
+        }
+    }
+}
+
+/// The prompt as the client gave it.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Tokenized with the tokenizer's special tokens (BOS, ...) when `add_special_tokens`.
+    Text {
+        text: String,
+        add_special_tokens: bool,
+    },
+    Tokens(Vec<u32>),
+}
+
+/// A generation request in the terms shared by every API, before checking.
+#[derive(Debug, Clone)]
+pub struct GenerateInput {
+    pub prompt: Prompt,
+    /// Name of the API field that holds the prompt, for error messages.
+    pub prompt_field: &'static str,
+    /// Name of the API field that sets `max_new_tokens`, for error messages.
+    pub max_new_tokens_field: &'static str,
+    pub max_new_tokens: Option<u32>,
+    pub do_sample: bool,
+    pub temperature: Option<f32>,
+    pub top_k: Option<u32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub typical_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub repetition_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub logit_bias: HashMap<u32, f32>,
+    pub top_n_tokens: u32,
+    pub min_new_tokens: u32,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    /// Keep only the last `truncate` prompt tokens.
+    pub truncate: Option<u32>,
+}
+
+impl GenerateInput {
+    /// Greedy decoding of `prompt` with every option at its default; the field names are the API's.
+    pub fn new(
+        prompt: Prompt,
+        prompt_field: &'static str,
+        max_new_tokens_field: &'static str,
+    ) -> Self {
+        Self {
+            prompt,
+            prompt_field,
+            max_new_tokens_field,
+            max_new_tokens: None,
+            do_sample: false,
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            typical_p: None,
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            repetition_penalty: None,
+            frequency_penalty: None,
+            presence_penalty: None,
+            logit_bias: HashMap::new(),
+            top_n_tokens: 0,
+            min_new_tokens: 0,
+            ignore_eos: false,
+            skip_special_tokens: true,
+            truncate: None,
+        }
+    }
+}
+
 /// Sampling settings after validation; `seed` is always set (random when the client gave none).
+/// Neutral values mean off: penalties 1.0 / 0.0, min_p 0.0, typical_p 1.0.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidSampling {
     pub do_sample: bool,
     pub temperature: f32,
     pub top_k: u32,
     pub top_p: f32,
+    pub min_p: f32,
+    pub typical_p: f32,
     pub seed: u64,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub logit_bias: HashMap<u32, f32>,
+}
+
+impl ValidSampling {
+    /// Whether the shard needs the sequence's token history (for a penalty).
+    pub fn has_penalty(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+    }
 }
 
 /// A request that passed every check, tokenized, with defaults filled.
@@ -51,52 +160,108 @@ pub struct ValidRequest {
     pub max_new_tokens: u32,
     pub sampling: ValidSampling,
     pub stop_sequences: Vec<String>,
-    pub details: bool,
+    /// Token ids that end generation besides EOS.
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub min_new_tokens: u32,
+    pub skip_special_tokens: bool,
+    pub top_n_tokens: u32,
 }
 
-/// Checks requests against the limits and the KV pool size; tokenizes off the async runtime.
+/// Checks requests against the limits, the vocabulary and the KV pool size; tokenizes off the runtime.
 #[derive(Clone)]
 pub struct Validator {
     tokenizer: Arc<Tokenizer>,
     limits: LimitsConfig,
+    vocab_size: u32,
     /// Tokens a single sequence can hold in the KV pool.
     max_kv_tokens: usize,
 }
 
+fn check(
+    is_valid: bool,
+    field: &'static str,
+    bound: &'static str,
+    value: impl ToString,
+) -> Result<(), ValidationError> {
+    if is_valid {
+        Ok(())
+    } else {
+        Err(ValidationError::OutOfRange(field, bound, value.to_string()))
+    }
+}
+
 impl Validator {
-    pub fn new(tokenizer: Arc<Tokenizer>, limits: LimitsConfig, max_kv_tokens: usize) -> Self {
+    pub fn new(
+        tokenizer: Arc<Tokenizer>,
+        limits: LimitsConfig,
+        vocab_size: u32,
+        max_kv_tokens: usize,
+    ) -> Self {
         Self {
             tokenizer,
             limits,
+            vocab_size,
             max_kv_tokens,
         }
     }
 
-    pub async fn validate(
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Tokenizes text off the async runtime (long prompts take milliseconds).
+    pub async fn tokenize(
         &self,
-        request: GenerateRequest,
-    ) -> Result<ValidRequest, ValidationError> {
-        if request.inputs.is_empty() {
-            return Err(ValidationError::EmptyInput);
-        }
+        text: String,
+        add_special_tokens: bool,
+    ) -> Result<tokenizers::Encoding, ValidationError> {
         let tokenizer = self.tokenizer.clone();
-        let inputs = request.inputs;
-        let encoding = tokio::task::spawn_blocking(move || tokenizer.encode(inputs, true))
+        tokio::task::spawn_blocking(move || tokenizer.encode(text, add_special_tokens))
             .await
             .map_err(|e| ValidationError::Tokenizer(e.to_string()))?
-            .map_err(|e| ValidationError::Tokenizer(e.to_string()))?;
-        self.validate_tokens(encoding.get_ids().to_vec(), request.parameters)
+            .map_err(|e| ValidationError::Tokenizer(e.to_string()))
+    }
+
+    pub async fn validate(&self, input: GenerateInput) -> Result<ValidRequest, ValidationError> {
+        let prompt_ids = match &input.prompt {
+            Prompt::Text { text, .. } if text.is_empty() => {
+                return Err(ValidationError::EmptyInput(input.prompt_field))
+            }
+            Prompt::Text {
+                text,
+                add_special_tokens,
+            } => self
+                .tokenize(text.clone(), *add_special_tokens)
+                .await?
+                .get_ids()
+                .to_vec(),
+            Prompt::Tokens(ids) => ids.clone(),
+        };
+        self.validate_tokens(prompt_ids, input)
     }
 
     fn validate_tokens(
         &self,
-        prompt_ids: Vec<u32>,
-        parameters: crate::api::GenerateParameters,
+        mut prompt_ids: Vec<u32>,
+        input: GenerateInput,
     ) -> Result<ValidRequest, ValidationError> {
         let limits = &self.limits;
+        if let Some(truncate) = input.truncate {
+            check(truncate > 0, "truncate", "> 0", truncate)?;
+            let excess = prompt_ids.len().saturating_sub(truncate as usize);
+            prompt_ids.drain(..excess);
+        }
         let num_prompt_tokens = prompt_ids.len();
         if num_prompt_tokens == 0 {
-            return Err(ValidationError::EmptyInput);
+            return Err(ValidationError::EmptyInput(input.prompt_field));
+        }
+        if let Some(&id) = prompt_ids.iter().find(|&&id| id >= self.vocab_size) {
+            return Err(ValidationError::TokenOutOfVocab(
+                id,
+                input.prompt_field,
+                self.vocab_size,
+            ));
         }
         if num_prompt_tokens > limits.max_input_tokens as usize {
             return Err(ValidationError::InputTooLong(
@@ -104,64 +269,133 @@ impl Validator {
                 limits.max_input_tokens,
             ));
         }
+        let field = input.max_new_tokens_field;
         let room = limits.max_total_tokens - num_prompt_tokens as u32;
         let kv_room = self.max_kv_tokens.saturating_sub(num_prompt_tokens) as u32;
-        let max_new_tokens = parameters.max_new_tokens.unwrap_or(room.min(kv_room));
+        let max_new_tokens = input.max_new_tokens.unwrap_or(room.min(kv_room));
         if max_new_tokens == 0 {
-            return Err(ValidationError::MaxNewTokensZero);
+            return Err(ValidationError::MaxNewTokensZero(field));
         }
         if max_new_tokens > room {
             return Err(ValidationError::TotalTooLong(
                 num_prompt_tokens,
                 max_new_tokens,
                 limits.max_total_tokens,
+                field,
             ));
         }
         if num_prompt_tokens + max_new_tokens as usize > self.max_kv_tokens {
             return Err(ValidationError::ExceedsKvPool(
                 num_prompt_tokens + max_new_tokens as usize,
                 self.max_kv_tokens,
+                field,
             ));
         }
-        if let Some(t) = parameters.temperature {
-            if !(t > 0.0 && t.is_finite()) {
-                return Err(ValidationError::Temperature(t));
+        if let Some(t) = input.temperature {
+            // 0 means greedy, as in the OpenAI API.
+            check(t >= 0.0 && t.is_finite(), "temperature", ">= 0", t)?;
+        }
+        if let Some(p) = input.top_p {
+            check(p > 0.0 && p <= 1.0, "top_p", "in (0, 1]", p)?;
+        }
+        if let Some(p) = input.min_p {
+            check((0.0..=1.0).contains(&p), "min_p", "in [0, 1]", p)?;
+        }
+        if let Some(p) = input.typical_p {
+            check(p > 0.0 && p <= 1.0, "typical_p", "in (0, 1]", p)?;
+        }
+        if let Some(k) = input.top_k {
+            check(k > 0, "top_k", "> 0", k)?;
+        }
+        if let Some(r) = input.repetition_penalty {
+            check(r > 0.0 && r.is_finite(), "repetition_penalty", "> 0", r)?;
+        }
+        for (name, value) in [
+            ("frequency_penalty", input.frequency_penalty),
+            ("presence_penalty", input.presence_penalty),
+        ] {
+            if let Some(v) = value {
+                check((-2.0..=2.0).contains(&v), name, "in [-2, 2]", v)?;
             }
         }
-        if let Some(p) = parameters.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(ValidationError::TopP(p));
+        for (&id, &bias) in &input.logit_bias {
+            if id >= self.vocab_size {
+                return Err(ValidationError::TokenOutOfVocab(
+                    id,
+                    "logit_bias",
+                    self.vocab_size,
+                ));
             }
+            check(
+                (-100.0..=100.0).contains(&bias),
+                "logit_bias",
+                "in [-100, 100]",
+                bias,
+            )?;
         }
-        if parameters.top_k == Some(0) {
-            return Err(ValidationError::TopK);
+        if let Some(&id) = input
+            .stop_token_ids
+            .iter()
+            .find(|&&id| id >= self.vocab_size)
+        {
+            return Err(ValidationError::TokenOutOfVocab(
+                id,
+                "stop_token_ids",
+                self.vocab_size,
+            ));
         }
-        if parameters.stop.len() > limits.max_stop_sequences as usize {
+        check(
+            input.top_n_tokens <= MAX_TOP_N_TOKENS,
+            "top_n_tokens",
+            "at most 20",
+            input.top_n_tokens,
+        )?;
+        check(
+            input.min_new_tokens <= max_new_tokens,
+            "min_tokens",
+            "at most the maximum new tokens",
+            input.min_new_tokens,
+        )?;
+        if input.stop.len() > limits.max_stop_sequences as usize {
             return Err(ValidationError::TooManyStops(
-                parameters.stop.len(),
+                input.stop.len(),
                 limits.max_stop_sequences,
             ));
         }
-        if parameters.stop.iter().any(String::is_empty) {
+        if input.stop.iter().any(String::is_empty) {
             return Err(ValidationError::EmptyStop);
         }
-        // As in TGI, any sampling setting implies sampling.
-        let do_sample = parameters.do_sample
-            || parameters.temperature.is_some_and(|t| t != 1.0)
-            || parameters.top_k.is_some()
-            || parameters.top_p.is_some_and(|p| p < 1.0);
+        // As in TGI, any sampling setting implies sampling; temperature 0 means greedy, as in OpenAI's API.
+        let temperature = input.temperature.unwrap_or(1.0);
+        let do_sample = temperature > 0.0
+            && (input.do_sample
+                || temperature != 1.0
+                || input.top_k.is_some()
+                || input.top_p.is_some_and(|p| p < 1.0)
+                || input.min_p.is_some_and(|p| p > 0.0)
+                || input.typical_p.is_some_and(|p| p < 1.0));
         Ok(ValidRequest {
             prompt_ids,
             max_new_tokens,
             sampling: ValidSampling {
                 do_sample,
-                temperature: parameters.temperature.unwrap_or(1.0),
-                top_k: parameters.top_k.unwrap_or(0),
-                top_p: parameters.top_p.unwrap_or(1.0),
-                seed: parameters.seed.unwrap_or_else(rand::random),
+                temperature: if do_sample { temperature } else { 1.0 },
+                top_k: input.top_k.unwrap_or(0),
+                top_p: input.top_p.unwrap_or(1.0),
+                min_p: input.min_p.unwrap_or(0.0),
+                typical_p: input.typical_p.unwrap_or(1.0),
+                seed: input.seed.unwrap_or_else(rand::random),
+                repetition_penalty: input.repetition_penalty.unwrap_or(1.0),
+                frequency_penalty: input.frequency_penalty.unwrap_or(0.0),
+                presence_penalty: input.presence_penalty.unwrap_or(0.0),
+                logit_bias: input.logit_bias,
             },
-            stop_sequences: parameters.stop,
-            details: parameters.details,
+            stop_sequences: input.stop,
+            stop_token_ids: input.stop_token_ids,
+            ignore_eos: input.ignore_eos,
+            min_new_tokens: input.min_new_tokens,
+            skip_special_tokens: input.skip_special_tokens,
+            top_n_tokens: input.top_n_tokens,
         })
     }
 }
@@ -169,7 +403,6 @@ impl Validator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::GenerateParameters;
 
     fn validator() -> Validator {
         let tokenizer = Tokenizer::new(tokenizers::models::bpe::BPE::default());
@@ -179,88 +412,89 @@ mod tests {
             max_stop_sequences: 2,
             max_concurrent_requests: 4,
         };
-        Validator::new(Arc::new(tokenizer), limits, 16)
+        Validator::new(Arc::new(tokenizer), limits, 100, 16)
     }
 
-    fn check(
+    fn input(edit: impl FnOnce(&mut GenerateInput)) -> GenerateInput {
+        let mut input = GenerateInput::new(Prompt::Tokens(Vec::new()), "inputs", "max_new_tokens");
+        edit(&mut input);
+        input
+    }
+
+    fn check_input(
         num_prompt_tokens: usize,
-        parameters: GenerateParameters,
+        input: GenerateInput,
     ) -> Result<ValidRequest, ValidationError> {
-        validator().validate_tokens(vec![1; num_prompt_tokens], parameters)
+        validator().validate_tokens(vec![1; num_prompt_tokens], input)
     }
 
     #[test]
     fn defaults_fill_the_room_left_by_the_prompt() {
-        let valid = check(3, GenerateParameters::default()).expect("valid");
+        let valid = check_input(3, input(|_| {})).expect("valid");
         // The smaller of what --max-total-tokens leaves (17) and what the KV pool leaves (13).
         assert_eq!(valid.max_new_tokens, 13);
         assert!(!valid.sampling.do_sample);
+        assert!(!valid.sampling.has_penalty());
     }
 
     #[test]
     fn limits_name_their_bounds() {
-        let too_long = check(11, GenerateParameters::default()).unwrap_err();
+        let too_long = check_input(11, input(|_| {})).unwrap_err();
         assert!(too_long.to_string().contains("--max-input-tokens = 10"));
-        let params = GenerateParameters {
-            max_new_tokens: Some(12),
-            ..Default::default()
-        };
+        let error = check_input(9, input(|i| i.max_new_tokens = Some(12))).unwrap_err();
         assert!(matches!(
-            check(9, params).unwrap_err(),
-            ValidationError::TotalTooLong(9, 12, 20)
+            error,
+            ValidationError::TotalTooLong(9, 12, 20, "max_new_tokens")
         ));
-        let params = GenerateParameters {
-            max_new_tokens: Some(8),
-            ..Default::default()
-        };
-        assert!(matches!(
-            check(9, params).unwrap_err(),
-            ValidationError::ExceedsKvPool(17, 16)
-        ));
+        let error = check_input(9, input(|i| i.max_new_tokens = Some(8))).unwrap_err();
+        assert!(matches!(error, ValidationError::ExceedsKvPool(17, 16, _)));
+        let error = validator()
+            .validate_tokens(vec![1, 500], input(|_| {}))
+            .unwrap_err();
+        assert!(error.to_string().contains("token id 500"));
+    }
+
+    #[test]
+    fn truncate_keeps_the_last_tokens() {
+        let valid = validator()
+            .validate_tokens(vec![1, 2, 3, 4], input(|i| i.truncate = Some(2)))
+            .expect("valid");
+        assert_eq!(valid.prompt_ids, vec![3, 4]);
     }
 
     #[test]
     fn sampling_values_are_range_checked() {
-        for params in [
-            GenerateParameters {
-                temperature: Some(0.0),
-                ..Default::default()
-            },
-            GenerateParameters {
-                temperature: Some(f32::NAN),
-                ..Default::default()
-            },
-            GenerateParameters {
-                top_p: Some(1.5),
-                ..Default::default()
-            },
-            GenerateParameters {
-                top_k: Some(0),
-                ..Default::default()
-            },
-            GenerateParameters {
-                stop: vec!["a".into(), "b".into(), "c".into()],
-                ..Default::default()
-            },
-            GenerateParameters {
-                stop: vec![String::new()],
-                ..Default::default()
-            },
-            GenerateParameters {
-                max_new_tokens: Some(0),
-                ..Default::default()
-            },
-        ] {
-            assert!(check(2, params).is_err());
+        type Edit = Box<dyn Fn(&mut GenerateInput)>;
+        let bad: Vec<Edit> = vec![
+            Box::new(|i| i.temperature = Some(-0.5)),
+            Box::new(|i| i.temperature = Some(f32::NAN)),
+            Box::new(|i| i.top_p = Some(1.5)),
+            Box::new(|i| i.top_k = Some(0)),
+            Box::new(|i| i.min_p = Some(2.0)),
+            Box::new(|i| i.typical_p = Some(0.0)),
+            Box::new(|i| i.repetition_penalty = Some(0.0)),
+            Box::new(|i| i.frequency_penalty = Some(3.0)),
+            Box::new(|i| i.presence_penalty = Some(-2.5)),
+            Box::new(|i| i.logit_bias = [(5, 200.0)].into()),
+            Box::new(|i| i.logit_bias = [(100, 1.0)].into()),
+            Box::new(|i| i.stop_token_ids = vec![100]),
+            Box::new(|i| i.top_n_tokens = 21),
+            Box::new(|i| i.stop = vec!["a".into(), "b".into(), "c".into()]),
+            Box::new(|i| i.stop = vec![String::new()]),
+            Box::new(|i| i.max_new_tokens = Some(0)),
+            Box::new(|i| {
+                i.max_new_tokens = Some(2);
+                i.min_new_tokens = 3;
+            }),
+        ];
+        for (k, edit) in bad.iter().enumerate() {
+            let mut one = input(|_| {});
+            edit(&mut one);
+            assert!(check_input(2, one).is_err(), "case {k} passed");
         }
-        let sampled = check(
-            2,
-            GenerateParameters {
-                top_k: Some(5),
-                ..Default::default()
-            },
-        )
-        .expect("valid");
+        let sampled = check_input(2, input(|i| i.top_k = Some(5))).expect("valid");
         assert!(sampled.sampling.do_sample);
+        let greedy = check_input(2, input(|i| i.temperature = Some(0.0))).expect("valid");
+        assert!(!greedy.sampling.do_sample);
     }
 }

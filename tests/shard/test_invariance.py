@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import chunk, logits_of
+from .conftest import chunk, logits_of
 
 from shard.layers import attention
 from shard.runner import ModelRunner

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chunk, hf_model, logits_of, make_runner, rewrite_config_transformers4, save_tiny_model
+from .conftest import chunk, hf_model, logits_of, make_runner, rewrite_config_transformers4, save_tiny_model
 
 from shard.layers.attention import ForwardContext, forward_context
 from shard.runner import ModelRunner

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chunk, hf_model, make_runner
+from .conftest import chunk, hf_model, make_runner
 
 from shard import runner as runner_module
 from shard.batch import ForwardRequest

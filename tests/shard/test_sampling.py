@@ -31,7 +31,8 @@ def test_greedy_rows_take_argmax_and_logprob_is_untempered() -> None:
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     params = [SamplingParams(), SamplingParams(do_sample=True, temperature=0.5, seed=1), SamplingParams()]
-    tokens, logprobs = sample(logits, SamplingBatch.build(params, [4, 4, 9], CPU))
+    out = sample(logits, SamplingBatch.build(params, [4, 4, 9], CPU))
+    tokens, logprobs = out.token_ids, out.logprobs
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     expected = torch.log_softmax(logits, dim=-1)[torch.arange(3), tokens]
     torch.testing.assert_close(logprobs, expected)
@@ -41,14 +42,14 @@ def test_seeded_draw_depends_only_on_seed_and_position() -> None:
     torch.manual_seed(0)
     row = torch.randn(1, 300)
     params = SamplingParams(do_sample=True, temperature=1.0, top_k=100, top_p=0.9, seed=2**63 + 12345)
-    alone, _ = sample(row, SamplingBatch.build([params], [17], CPU))
+    alone = sample(row, SamplingBatch.build([params], [17], CPU)).token_ids
     others = torch.randn(5, 300)
     other_params = [SamplingParams(do_sample=True, seed=s) for s in range(4)] + [SamplingParams()]
     batch_logits = torch.cat([others[:2], row, others[2:]])
     batch_params = other_params[:2] + [params] + other_params[2:]
-    batched, _ = sample(batch_logits, SamplingBatch.build(batch_params, [3, 99, 17, 5, 6, 7], CPU))
+    batched = sample(batch_logits, SamplingBatch.build(batch_params, [3, 99, 17, 5, 6, 7], CPU)).token_ids
     assert batched[2] == alone[0]
-    draws = {int(sample(row, SamplingBatch.build([params], [p], CPU))[0]) for p in range(40)}
+    draws = {int(sample(row, SamplingBatch.build([params], [p], CPU)).token_ids[0]) for p in range(40)}
     assert len(draws) > 5, "different positions must draw different noise"
 
 
@@ -64,7 +65,7 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     num_draws = 4000
     logits = probs.log().expand(num_draws, 4)
     params = [SamplingParams(do_sample=True, temperature=1.0, seed=seed) for seed in range(num_draws)]
-    tokens, _ = sample(logits, SamplingBatch.build(params, [10] * num_draws, CPU))
+    tokens = sample(logits, SamplingBatch.build(params, [10] * num_draws, CPU)).token_ids
     frequencies = torch.bincount(tokens, minlength=4).float() / num_draws
     tolerance = 4 * math.sqrt(0.25 / num_draws)
     assert (frequencies - probs).abs().max() < tolerance, frequencies

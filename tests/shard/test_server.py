@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import save_tiny_model
-from test_runner import hf_greedy
+from .conftest import save_tiny_model
+from .test_runner import hf_greedy
 
 from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 
@@ -131,3 +131,59 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(stub: shard_pb2_
     response = stub.Prefill(forward_request(2, [1, 2, 3], 0, with_params=True))
     assert len(response.generations) == 1
     stub.Health(shard_pb2.HealthRequest())
+
+
+def test_penalties_bias_cached_tokens_and_top_logprobs(
+    stub: shard_pb2_grpc.ShardStub, model_dir: Path
+) -> None:
+    stub.Warmup(shard_pb2.WarmupRequest(max_batch_tokens=32, max_batch_size=4, max_total_kv_tokens=400))
+    prompt = [3, 141, 59, 26, 53, 58, 97, 1]
+    plain = hf_greedy(model_dir, prompt, 1)[0]
+    params = shard_pb2.SamplingParams(
+        do_sample=False,
+        repetition_penalty=1.5,
+        frequency_penalty=0.5,
+        presence_penalty=-0.25,
+        logit_bias={plain: -100.0},
+        top_n_logprobs=4,
+        num_prompt_tokens=len(prompt),
+        min_new_tokens=1,
+        stop_token_ids=[7, 9],
+    )
+
+    def prefill(seq_id: int, num_computed_tokens: int, block_table: list[int], **fields: object) -> object:
+        seq = shard_pb2.SequenceChunk(
+            id=seq_id,
+            token_ids=prompt[num_computed_tokens:],
+            num_computed_tokens=num_computed_tokens,
+            block_table=block_table,
+            sample=True,
+            params=params,
+            **fields,
+        )
+        return stub.Prefill(shard_pb2.ForwardRequest(sequences=[seq])).generations[0]
+
+    full = prefill(4, 0, [61, 62])
+    assert full.token_id not in (plain, 7, 9)
+    # Alternatives come from the raw distribution, in which the biased-away greedy token is the top one.
+    assert len(full.top_logprobs) == 4 and full.top_logprobs[0].token_id == plain
+    top = [t.logprob for t in full.top_logprobs]
+    assert top == sorted(top, reverse=True) and full.logprob <= top[0] <= 0
+    # A prefix hit on the first block: the history before it comes as cached_token_ids.
+    hit = prefill(5, 4, [61, 71], cached_token_ids=prompt[:4])
+    assert (hit.token_id, hit.logprob, list(hit.top_logprobs)) == (
+        full.token_id,
+        full.logprob,
+        list(full.top_logprobs),
+    )
+    step = shard_pb2.SequenceChunk(
+        id=5, token_ids=[hit.token_id], num_computed_tokens=len(prompt), block_table=[61, 71, 72], sample=True
+    )
+    decode = stub.Decode(shard_pb2.ForwardRequest(released_ids=[4], sequences=[step]))
+    assert len(decode.generations[0].top_logprobs) == 4
+
+    params.top_n_logprobs = 21
+    with pytest.raises(grpc.RpcError) as error:
+        prefill(6, 0, [81, 82])
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_n_logprobs" in error.value.details()

@@ -1,19 +1,30 @@
-//! Request and response bodies of the native (TGI-compatible) API. Plain serde types: no validation here.
+//! Request and response bodies of the HTTP APIs. Plain serde types: no validation here.
+//! This file holds the native (TGI-compatible) API; `openai` the OpenAI-compatible one.
+
+pub mod openai;
+
+use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 /// `POST /generate` and `POST /generate_stream`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateRequest {
     /// The prompt text.
+    #[schema(example = "The three primary colors are")]
     pub inputs: String,
     #[serde(default)]
     pub parameters: GenerateParameters,
+    /// On `POST /`, whether to stream; `/generate` and `/generate_stream` decide by themselves.
+    #[serde(default)]
+    pub stream: bool,
 }
 
-/// Generation settings; every field is optional.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// Generation settings; every field is optional. TGI fields Rill does not implement (`best_of` > 1,
+/// `watermark`, `decoder_input_details`, `grammar`, `adapter_id`) are accepted only at their off value.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateParameters {
     /// Most tokens to generate. Default: what `--max-total-tokens` leaves after the prompt.
@@ -35,10 +46,36 @@ pub struct GenerateParameters {
     /// Return `details` (finish reason, token counts, seed, per-token logprobs).
     #[serde(default)]
     pub details: bool,
+    /// HF-style penalty on every token already in the prompt or output; > 0, 1.0 = off.
+    pub repetition_penalty: Option<f32>,
+    /// OpenAI-style penalty per earlier occurrence in the output; in [-2, 2].
+    pub frequency_penalty: Option<f32>,
+    /// Typical-decoding mass; in (0, 1], 1.0 = off.
+    pub typical_p: Option<f32>,
+    /// Return this many most likely alternatives for each generated token (in `details.top_tokens`).
+    pub top_n_tokens: Option<u32>,
+    /// Keep only the last `truncate` tokens of the prompt.
+    pub truncate: Option<u32>,
+    /// Prepend the prompt to `generated_text`.
+    #[serde(default)]
+    pub return_full_text: bool,
+    /// Not implemented: accepted when null or 1.
+    pub best_of: Option<u32>,
+    /// Not implemented: accepted when false.
+    #[serde(default)]
+    pub watermark: bool,
+    /// Not implemented: accepted when false.
+    #[serde(default)]
+    pub decoder_input_details: bool,
+    /// Not implemented: accepted when null.
+    #[schema(value_type = Option<Object>)]
+    pub grammar: Option<serde_json::Value>,
+    /// Not implemented: accepted when null.
+    pub adapter_id: Option<String>,
 }
 
 /// A generated token, as streamed.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Token {
     pub id: u32,
     /// Text this token released to the client. Empty while a multi-byte character is incomplete or while
@@ -50,31 +87,45 @@ pub struct Token {
     pub special: bool,
 }
 
+/// One of the most likely tokens at a generated position.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TopToken {
+    pub id: u32,
+    pub text: String,
+    pub logprob: f32,
+    pub special: bool,
+}
+
 /// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// `max_new_tokens` reached.
     Length,
-    /// The model produced an end-of-sequence token.
+    /// The model produced an end-of-sequence token (or one of the request's `stop_token_ids`).
     EosToken,
     /// A stop sequence matched.
     StopSequence,
 }
 
 /// Details of a finished generation (`POST /generate` with `details`).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Details {
     pub finish_reason: FinishReason,
     pub generated_tokens: u32,
     /// The seed used, when sampling.
     pub seed: Option<u64>,
     pub input_length: u32,
+    /// Prompt tokens whose K/V came from the prefix cache instead of being computed.
+    pub cached_tokens: u32,
     pub tokens: Vec<Token>,
+    /// Per generated token, the `top_n_tokens` most likely alternatives.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub top_tokens: Vec<Vec<TopToken>>,
 }
 
 /// `POST /generate` response.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct GenerateResponse {
     pub generated_text: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -82,20 +133,24 @@ pub struct GenerateResponse {
 }
 
 /// Details on the last event of a stream.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct StreamDetails {
     pub finish_reason: FinishReason,
     pub generated_tokens: u32,
     pub seed: Option<u64>,
     pub input_length: u32,
+    pub cached_tokens: u32,
 }
 
 /// One `data:` event of `POST /generate_stream`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct StreamResponse {
     /// 0-based position of the token among the generated ones.
     pub index: u32,
     pub token: Token,
+    /// The `top_n_tokens` most likely alternatives at this position.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub top_tokens: Vec<TopToken>,
     /// The whole generated text, on the last event only.
     pub generated_text: Option<String>,
     /// On the last event only.
@@ -103,9 +158,11 @@ pub struct StreamResponse {
 }
 
 /// `GET /info`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct Info {
     pub model_id: String,
+    /// The name `/v1/models` lists and OpenAI requests must name.
+    pub served_model_name: String,
     pub model_type: String,
     pub model_dtype: String,
     pub model_device_type: String,
@@ -121,7 +178,7 @@ pub struct Info {
 }
 
 /// The KV pool, as the router's allocator sees it now.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct KvInfo {
     /// Tokens per block.
     pub block_size: u32,
@@ -131,11 +188,67 @@ pub struct KvInfo {
     pub used_blocks: u32,
     pub waiting_requests: u32,
     pub running_requests: u32,
+    /// Prompt tokens computed by the shards since start (prefix-cache hits and shared prompts excluded).
+    pub prompt_tokens_computed: u64,
 }
 
 /// Error body of the native API.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ErrorResponse {
     pub error: String,
-    pub error_type: &'static str,
+    pub error_type: String,
 }
+
+/// `POST /tokenize`: a plain prompt, or chat messages rendered with the model's chat template.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizeRequest {
+    /// Plain text (TGI calls it `inputs`; both names are accepted).
+    #[serde(alias = "inputs")]
+    pub prompt: Option<String>,
+    /// Chat messages, rendered with the model's chat template first.
+    pub messages: Option<Vec<openai::ChatMessage>>,
+    /// With `messages`: end the rendered prompt with the assistant's turn opening. Default true.
+    pub add_generation_prompt: Option<bool>,
+    /// With `prompt`: add the tokenizer's special tokens (BOS, ...). Default true.
+    pub add_special_tokens: Option<bool>,
+}
+
+/// One token of a tokenized prompt.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TokenSpan {
+    pub id: u32,
+    /// The prompt text this token covers.
+    pub text: String,
+    /// Byte offsets of `text` in the prompt.
+    pub start: usize,
+    pub stop: usize,
+}
+
+/// `POST /tokenize` response.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TokenizeResponse {
+    /// The text that was tokenized (the rendered chat prompt when `messages` were given).
+    pub prompt: String,
+    pub tokens: Vec<TokenSpan>,
+    pub count: usize,
+    pub max_input_tokens: u32,
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
+    /// Default true.
+    pub skip_special_tokens: Option<bool>,
+}
+
+/// `POST /detokenize` response.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct DetokenizeResponse {
+    pub prompt: String,
+}
+
+/// Token id to bias, as JSON object keys are strings in OpenAI's API.
+pub type LogitBias = HashMap<String, f32>;

@@ -85,8 +85,10 @@ impl EngineCore {
     }
 
     async fn step(&mut self) {
-        let running: Vec<_> = self.running.iter().map(Sequence::view).collect();
-        let waiting: Vec<_> = self.waiting.iter().map(Sequence::view).collect();
+        let allocator = &self.allocator;
+        let view = |seq: &Sequence| seq.view(allocator.num_freeable(&seq.blocks));
+        let running: Vec<_> = self.running.iter().map(view).collect();
+        let waiting: Vec<_> = self.waiting.iter().map(view).collect();
         let plan = schedule(
             &self.config,
             &running,
@@ -147,7 +149,15 @@ impl EngineCore {
                 .expect("the plan fits the free blocks");
             let seq = &mut self.running[i];
             seq.blocks.extend(blocks);
-            chunks.push(seq.chunk(scheduled.num_scheduled_tokens));
+            let start = seq.num_computed_tokens;
+            let num_prompt_tokens = seq
+                .num_prompt_tokens
+                .saturating_sub(start)
+                .min(scheduled.num_scheduled_tokens);
+            self.stats
+                .num_prompt_tokens_computed
+                .fetch_add(num_prompt_tokens as u64, Ordering::Relaxed);
+            chunks.push(seq.chunk(scheduled.num_scheduled_tokens, &self.eos_token_ids));
         }
         pb::ForwardRequest {
             released_ids: std::mem::take(&mut self.released_ids),
@@ -158,11 +168,24 @@ impl EngineCore {
     fn apply_outputs(&mut self, plan: &StepPlan, response: pb::ForwardResponse) {
         for scheduled in &plan.scheduled {
             let i = self.running_index(scheduled.id);
-            self.running[i].num_computed_tokens += scheduled.num_scheduled_tokens;
+            let seq = &mut self.running[i];
+            seq.num_computed_tokens += scheduled.num_scheduled_tokens;
+            if seq.num_computed_tokens >= seq.num_prompt_tokens && !seq.forks.is_empty() {
+                self.start_forks(i);
+            }
         }
         for generation in &response.generations {
-            let id = RequestId(generation.id);
-            let i = self.running_index(id);
+            let Some(i) = self
+                .running
+                .iter()
+                .position(|seq| seq.id.0 == generation.id)
+            else {
+                tracing::error!(
+                    id = generation.id,
+                    "a shard returned a token for a sequence not in the step"
+                );
+                continue;
+            };
             let outcome =
                 self.running[i].append_token(&self.tokenizer, &self.eos_token_ids, generation);
             if let TokenOutcome::Finished = outcome {
@@ -172,10 +195,31 @@ impl EngineCore {
         }
     }
 
-    /// Cancels sequences whose clients have gone, wherever they are.
+    /// The prompt of `running[i]` is computed: the choices waiting on it join the running set, sharing
+    /// its prompt blocks.
+    fn start_forks(&mut self, i: usize) {
+        let forks = std::mem::take(&mut self.running[i].forks);
+        for new in forks {
+            let child = self.running[i].fork(new, self.config.block_size);
+            self.allocator
+                .share(&child.blocks)
+                .expect("a parent holds the blocks it shares");
+            self.running.push(child);
+        }
+    }
+
+    /// Cancels sequences whose clients have gone, wherever they are. Choices waiting on a cancelled
+    /// sequence's prompt are not lost: the first of them takes its place in the waiting queue.
     fn drop_cancelled(&mut self) {
         let mut cancelled = Vec::new();
-        self.waiting.retain(|seq| !seq.is_cancelled());
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].is_cancelled() {
+                cancelled.push(self.waiting.remove(i).expect("index in range"));
+            } else {
+                i += 1;
+            }
+        }
         let mut i = 0;
         while i < self.running.len() {
             if self.running[i].is_cancelled() {
@@ -187,6 +231,12 @@ impl EngineCore {
         for mut seq in cancelled {
             tracing::info!(request_id = %seq.id, "cancelled: the client went away");
             self.release(&mut seq);
+            let mut forks = std::mem::take(&mut seq.forks);
+            if !forks.is_empty() {
+                let mut heir = forks.remove(0);
+                heir.forks = forks;
+                self.waiting.push_front(Sequence::new(heir));
+            }
         }
     }
 

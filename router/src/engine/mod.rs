@@ -44,6 +44,8 @@ pub struct TokenEvent {
     pub text: String,
     pub logprob: f32,
     pub is_special: bool,
+    /// The most likely alternatives (token id, logprob), most likely first; as many as asked for.
+    pub top_logprobs: Vec<(u32, f32)>,
     /// Set on the last event of the request.
     pub end: Option<EndEvent>,
 }
@@ -56,6 +58,8 @@ pub struct EndEvent {
     pub generated_text: String,
     pub num_generated_tokens: u32,
     pub num_prompt_tokens: u32,
+    /// Prompt tokens whose K/V were reused rather than computed for this request.
+    pub num_cached_tokens: u32,
 }
 
 pub type EventSender = mpsc::UnboundedSender<Result<TokenEvent, EngineError>>;
@@ -66,6 +70,9 @@ pub struct NewRequest {
     pub id: RequestId,
     pub request: ValidRequest,
     pub events: EventSender,
+    /// Further choices of the same prompt (`n > 1`): they start once this request's prompt is computed,
+    /// sharing its KV blocks.
+    pub forks: Vec<NewRequest>,
 }
 
 /// Counters the engine publishes after every step, read by `/info` and tests without a round trip.
@@ -76,6 +83,8 @@ pub struct EngineStats {
     pub num_waiting: AtomicU32,
     pub num_running: AtomicU32,
     pub num_steps: AtomicU64,
+    /// Prompt tokens the shards computed (shared or cached prompt tokens are not counted).
+    pub num_prompt_tokens_computed: AtomicU64,
 }
 
 /// The handlers' side of the engine: cheap to clone.
@@ -95,18 +104,32 @@ impl EngineHandle {
         }
     }
 
-    /// Queues a request. Dropping the receiver cancels it: the engine notices within one iteration,
-    /// tells the shards, and frees its blocks.
-    pub fn submit(&self, request: ValidRequest) -> Result<(RequestId, EventReceiver), EngineError> {
-        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (events, receiver) = mpsc::unbounded_channel();
-        self.inbox
-            .send(NewRequest {
-                id,
-                request,
-                events,
+    /// Queues `n` choices of the same prompt; choice i samples with seed `seed + i`. The prompt is
+    /// computed once and its KV blocks shared. Dropping a receiver cancels that choice: the engine
+    /// notices within one iteration, tells the shards, and frees its blocks.
+    pub fn submit_n(
+        &self,
+        request: ValidRequest,
+        n: u32,
+    ) -> Result<Vec<EventReceiver>, EngineError> {
+        let mut receivers = Vec::with_capacity(n as usize);
+        let mut choices: Vec<NewRequest> = (0..n.max(1))
+            .map(|i| {
+                let (events, receiver) = mpsc::unbounded_channel();
+                receivers.push(receiver);
+                let mut request = request.clone();
+                request.sampling.seed = request.sampling.seed.wrapping_add(u64::from(i));
+                NewRequest {
+                    id: RequestId(self.next_id.fetch_add(1, Ordering::Relaxed)),
+                    request,
+                    events,
+                    forks: Vec::new(),
+                }
             })
-            .map_err(|_| EngineError::Closed)?;
-        Ok((id, receiver))
+            .collect();
+        let mut first = choices.remove(0);
+        first.forks = choices;
+        self.inbox.send(first).map_err(|_| EngineError::Closed)?;
+        Ok(receivers)
     }
 }

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use tokenizers::Tokenizer;
 
-use super::{EndEvent, EventSender, NewRequest, RequestId, TokenEvent};
+use super::{EndEvent, EngineError, EventSender, NewRequest, RequestId, TokenEvent};
 use crate::{
     api::FinishReason,
     scheduler::SeqView,
@@ -21,10 +21,14 @@ pub struct Sequence {
     pub num_prompt_tokens: usize,
     /// Tokens whose K/V are in the blocks below.
     pub num_computed_tokens: usize,
-    /// KV block ids in position order.
+    /// Prompt tokens whose K/V this sequence reused instead of computing (shared with a sibling).
+    pub num_cached_tokens: usize,
+    /// KV block ids in position order; some may be shared with other sequences.
     pub blocks: Vec<u32>,
-    /// Whether the shards hold this sequence's sampling params (false again after a preemption).
+    /// Whether the shards hold this sequence's sampling params (false again after a release).
     pub is_known_to_shards: bool,
+    /// Choices of the same prompt waiting for this sequence's prompt to be computed.
+    pub forks: Vec<NewRequest>,
     request: ValidRequest,
     events: EventSender,
     detokenizer: IncrementalDetokenizer,
@@ -44,15 +48,21 @@ impl Sequence {
             id,
             request,
             events,
+            forks,
         } = new;
         Self {
             id,
             token_ids: request.prompt_ids.clone(),
             num_prompt_tokens: request.prompt_ids.len(),
             num_computed_tokens: 0,
+            num_cached_tokens: 0,
             blocks: Vec::new(),
             is_known_to_shards: false,
-            detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, true),
+            forks,
+            detokenizer: IncrementalDetokenizer::new(
+                &request.prompt_ids,
+                request.skip_special_tokens,
+            ),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),
             request,
@@ -60,12 +70,13 @@ impl Sequence {
         }
     }
 
-    pub fn view(&self) -> SeqView {
+    pub fn view(&self, num_freeable_blocks: usize) -> SeqView {
         SeqView {
             id: self.id,
             num_tokens: self.token_ids.len(),
             num_computed_tokens: self.num_computed_tokens,
             num_blocks: self.blocks.len(),
+            num_freeable_blocks,
         }
     }
 
@@ -78,19 +89,44 @@ impl Sequence {
         self.events.is_closed()
     }
 
-    /// This sequence's part of a forward call computing `num_tokens` of its tokens.
-    pub fn chunk(&mut self, num_tokens: usize) -> pb::SequenceChunk {
-        let start = self.num_computed_tokens;
-        let end = start + num_tokens;
-        let sampling = &self.request.sampling;
-        let params = (!self.is_known_to_shards).then_some(pb::SamplingParams {
+    fn sampling_params(&self, eos_token_ids: &HashSet<u32>) -> pb::SamplingParams {
+        let request = &self.request;
+        let sampling = &request.sampling;
+        let mut stop_token_ids = request.stop_token_ids.clone();
+        if !request.ignore_eos {
+            stop_token_ids.extend(eos_token_ids);
+        }
+        pb::SamplingParams {
             do_sample: sampling.do_sample,
             temperature: sampling.temperature,
             top_k: sampling.top_k,
             top_p: sampling.top_p,
             seed: sampling.seed,
-            ..Default::default()
-        });
+            repetition_penalty: sampling.repetition_penalty,
+            frequency_penalty: sampling.frequency_penalty,
+            presence_penalty: sampling.presence_penalty,
+            logit_bias: sampling.logit_bias.clone().into_iter().collect(),
+            min_p: sampling.min_p,
+            typical_p: sampling.typical_p,
+            top_n_logprobs: request.top_n_tokens,
+            num_prompt_tokens: self.num_prompt_tokens as u32,
+            min_new_tokens: request.min_new_tokens,
+            stop_token_ids,
+        }
+    }
+
+    /// This sequence's part of a forward call computing `num_tokens` of its tokens.
+    pub fn chunk(&mut self, num_tokens: usize, eos_token_ids: &HashSet<u32>) -> pb::SequenceChunk {
+        let start = self.num_computed_tokens;
+        let end = start + num_tokens;
+        let is_first_call = !self.is_known_to_shards;
+        let params = is_first_call.then(|| self.sampling_params(eos_token_ids));
+        // A penalty needs the whole history; tokens whose K/V were reused never reached the shard.
+        let cached_token_ids = if is_first_call && self.request.sampling.has_penalty() {
+            self.token_ids[..start].to_vec()
+        } else {
+            Vec::new()
+        };
         self.is_known_to_shards = true;
         pb::SequenceChunk {
             id: self.id.0,
@@ -99,8 +135,21 @@ impl Sequence {
             block_table: self.blocks.clone(),
             sample: end == self.token_ids.len(),
             params,
-            cached_token_ids: Vec::new(),
+            cached_token_ids,
         }
+    }
+
+    /// A new choice of this sequence's prompt that shares every full block before the last prompt
+    /// token; it computes the rest itself (at least the last prompt token, for its own logits). The
+    /// caller registers the child's shared blocks with the allocator.
+    pub fn fork(&self, new: NewRequest, block_size: usize) -> Sequence {
+        let mut child = Sequence::new(new);
+        debug_assert_eq!(child.token_ids, self.token_ids[..self.num_prompt_tokens]);
+        let num_shared_blocks = (self.num_prompt_tokens - 1) / block_size;
+        child.blocks = self.blocks[..num_shared_blocks].to_vec();
+        child.num_computed_tokens = num_shared_blocks * block_size;
+        child.num_cached_tokens = child.num_computed_tokens;
+        child
     }
 
     /// Appends a sampled token, releases the text it completes, and decides whether generation ends.
@@ -118,9 +167,11 @@ impl Sequence {
             Err(e) => return self.fail_text(e),
         };
         let mut outcome = self.stop.push(&piece);
+        let is_end_token = (!self.request.ignore_eos && eos_token_ids.contains(&token_id))
+            || self.request.stop_token_ids.contains(&token_id);
         if outcome.stopped.is_some() {
             finish = Some(FinishReason::StopSequence);
-        } else if eos_token_ids.contains(&token_id) {
+        } else if is_end_token {
             finish = Some(FinishReason::EosToken);
         } else if self.num_generated_tokens() >= self.request.max_new_tokens as usize {
             finish = Some(FinishReason::Length);
@@ -145,6 +196,7 @@ impl Sequence {
             generated_text: self.generated_text.clone(),
             num_generated_tokens: self.num_generated_tokens() as u32,
             num_prompt_tokens: self.num_prompt_tokens as u32,
+            num_cached_tokens: self.num_cached_tokens as u32,
         });
         let is_finished = end.is_some();
         let is_special = tokenizer
@@ -156,6 +208,11 @@ impl Sequence {
             text: outcome.text,
             logprob: generation.logprob,
             is_special,
+            top_logprobs: generation
+                .top_logprobs
+                .iter()
+                .map(|t| (t.token_id, t.logprob))
+                .collect(),
             end,
         }));
         if is_finished {
@@ -166,16 +223,19 @@ impl Sequence {
     }
 
     fn fail_text(&self, error: DetokenizeError) -> TokenOutcome {
-        self.fail(super::EngineError::Detokenize(error.to_string()));
+        self.fail(EngineError::Detokenize(error.to_string()));
         TokenOutcome::Finished
     }
 
-    /// Ends the request with an error event.
-    pub fn fail(&self, error: super::EngineError) {
-        let _ = self.events.send(Err(error));
+    /// Ends the request (and the choices waiting on it) with an error event.
+    pub fn fail(&self, error: EngineError) {
+        let _ = self.events.send(Err(error.clone()));
+        for fork in &self.forks {
+            let _ = fork.events.send(Err(error.clone()));
+        }
     }
 
-    /// Forgets the sequence's K/V (after a preemption): it will be recomputed from its tokens.
+    /// Forgets the sequence's K/V (after a preemption or at the end): returns the blocks it held.
     pub fn reset_kv(&mut self) -> Vec<u32> {
         self.num_computed_tokens = 0;
         self.is_known_to_shards = false;

@@ -1,22 +1,35 @@
-//! One error type for every handler, and its one mapping to a status code and a JSON body.
+//! One error type for every handler and its one mapping to a status code. The native API renders it
+//! as TGI's `{"error", "error_type"}`; `/v1/*` wraps it in `OpenAiError` for OpenAI's
+//! `{"error": {"message", "type", "param", "code"}}`.
 
 use axum::{
     extract::rejection::JsonRejection,
-    http::{header, StatusCode},
+    http::{header, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
     Json,
 };
 
-use crate::{api::ErrorResponse, engine::EngineError, validation::ValidationError};
+use crate::{
+    api::{openai, ErrorResponse},
+    chat_template::ChatTemplateError,
+    engine::EngineError,
+    validation::ValidationError,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error("{0}")]
     Validation(#[from] ValidationError),
+    #[error("{0}")]
+    ChatTemplate(#[from] ChatTemplateError),
     #[error("invalid request body: {0}")]
     BadRequest(String),
     #[error("invalid request: {0}")]
     Unprocessable(String),
+    #[error("{message}")]
+    Unsupported { message: String, param: String },
+    #[error("the model `{0}` does not exist; this server serves `{1}`")]
+    ModelNotFound(String, String),
     #[error("the server has --max-concurrent-requests = {0} requests in flight; retry later")]
     Overloaded(u32),
     #[error("{0}")]
@@ -36,10 +49,12 @@ impl From<JsonRejection> for ApiError {
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::Validation(_) | ApiError::Unprocessable(_) => {
+            ApiError::Validation(_) | ApiError::Unprocessable(_) | ApiError::ChatTemplate(_) => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
+            ApiError::Unsupported { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Engine(EngineError::Closed) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::Shard(_) | EngineError::Detokenize(_)) => {
@@ -51,34 +66,84 @@ impl ApiError {
     /// The TGI `error_type` name.
     pub fn error_type(&self) -> &'static str {
         match self {
-            ApiError::Validation(_) | ApiError::Unprocessable(_) | ApiError::BadRequest(_) => {
-                "validation"
-            }
             ApiError::Overloaded(_) => "overloaded",
+            ApiError::ModelNotFound(..) => "model_not_found",
             ApiError::Engine(_) => "generation",
+            _ => "validation",
+        }
+    }
+
+    /// The request field the error is about, when there is one.
+    pub fn param(&self) -> Option<String> {
+        match self {
+            ApiError::Validation(e) => e.param().map(str::to_owned),
+            ApiError::ChatTemplate(_) => Some("messages".into()),
+            ApiError::Unsupported { param, .. } => Some(param.clone()),
+            ApiError::ModelNotFound(..) => Some("model".into()),
+            _ => None,
         }
     }
 
     pub fn body(&self) -> ErrorResponse {
         ErrorResponse {
             error: self.to_string(),
-            error_type: self.error_type(),
+            error_type: self.error_type().into(),
         }
+    }
+
+    pub fn openai_body(&self) -> openai::ErrorResponse {
+        let status = self.status();
+        let (kind, code) = match self {
+            ApiError::ModelNotFound(..) => ("invalid_request_error", Some("model_not_found")),
+            ApiError::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded")),
+            _ if status.is_server_error() => ("server_error", None),
+            _ => ("invalid_request_error", None),
+        };
+        openai::ErrorResponse {
+            error: openai::ErrorBody {
+                message: self.to_string(),
+                kind: kind.into(),
+                param: self.param(),
+                code: code.map(str::to_owned),
+            },
+        }
+    }
+
+    fn respond(self, body: impl serde::Serialize) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(error = %self, "request failed");
+        }
+        let mut response = (status, Json(body)).into_response();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = self.status();
-        if status.is_server_error() {
-            tracing::error!(error = %self, "request failed");
-        }
-        let mut response = (status, Json(self.body())).into_response();
-        if status == StatusCode::TOO_MANY_REQUESTS {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-        }
-        response
+        let body = self.body();
+        self.respond(body)
+    }
+}
+
+/// An `ApiError` rendered in OpenAI's shape, for the `/v1/*` routes.
+#[derive(Debug)]
+pub struct OpenAiError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for OpenAiError {
+    fn from(error: E) -> Self {
+        OpenAiError(error.into())
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        let body = self.0.openai_body();
+        self.0.respond(body)
     }
 }

@@ -1,8 +1,11 @@
 //! The HTTP API (axum): routes, handlers, streaming, and the mapping of errors to responses.
-//! Handlers validate, submit to the engine and shape its events; they never tokenize, schedule or touch KV.
+//! Handlers turn bodies into `GenerateInput`s, validate, submit to the engine and shape its events;
+//! they never schedule or touch KV.
 
 mod error;
-mod handlers;
+mod native;
+mod openai;
+mod service;
 #[cfg(test)]
 mod tests;
 
@@ -12,31 +15,129 @@ use axum::{
     routing::{get, post},
     Router,
 };
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error::ApiError;
 
-use crate::{config::LimitsConfig, engine::EngineHandle, shard::pb, validation::Validator};
+use crate::{
+    api::openai::ChatMessage,
+    chat_template::{ChatTemplate, ChatTemplateError},
+    config::{BatchConfig, LimitsConfig},
+    engine::{EndEvent, EngineError, EngineHandle, EventReceiver, TokenEvent},
+    shard::pb,
+    validation::{GenerateInput, ValidRequest, Validator},
+};
 
 /// Everything the handlers share.
 #[derive(Clone)]
 pub struct AppState {
     pub engine: EngineHandle,
     pub validator: Validator,
-    /// One permit per request in the server; none left means 429.
+    /// One permit per sequence in the server; none left means 429.
     pub admission: Arc<Semaphore>,
+    pub chat_template: Option<Arc<ChatTemplate>>,
     pub model_id: String,
+    /// The model name of the OpenAI API.
+    pub served_model_name: String,
+    /// Unix time the server started, in seconds.
+    pub started_at: u64,
     pub shard_info: pb::InfoResponse,
     pub limits: LimitsConfig,
-    pub batch: crate::config::BatchConfig,
+    pub batch: BatchConfig,
+}
+
+impl AppState {
+    /// The text of one token, special tokens included (for logprobs).
+    pub fn token_text(&self, id: u32) -> String {
+        self.decode(&[id], false)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
+        self.validator
+            .tokenizer()
+            .decode(ids, skip_special_tokens)
+            .unwrap_or_default()
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        let tokenizer = self.validator.tokenizer();
+        tokenizer
+            .id_to_token(id)
+            .is_some_and(|token| tokenizer.get_added_vocabulary().is_special_token(&token))
+    }
+
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        self.chat_template
+            .as_ref()
+            .ok_or(ChatTemplateError::Missing)?
+            .render(messages, add_generation_prompt)
+    }
 }
 
 /// The router's HTTP application.
 pub fn app(state: AppState) -> Router {
     Router::new()
-        .route("/generate", post(handlers::generate))
-        .route("/generate_stream", post(handlers::generate_stream))
-        .route("/health", get(handlers::health))
-        .route("/info", get(handlers::info))
+        .route("/", post(native::compat))
+        .route("/generate", post(native::generate))
+        .route("/generate_stream", post(native::generate_stream))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/models", get(openai::models))
+        .route("/tokenize", post(service::tokenize))
+        .route("/detokenize", post(service::detokenize))
+        .route("/health", get(service::health))
+        .route("/info", get(service::info))
+        .route("/openapi.json", get(service::openapi))
+        .route("/docs", get(service::docs))
         .with_state(state)
+}
+
+/// Takes one admission permit per sequence, at once or not at all (429).
+fn acquire(state: &AppState, num_sequences: u32) -> Result<OwnedSemaphorePermit, ApiError> {
+    let max = state.limits.max_concurrent_requests;
+    if num_sequences > max {
+        return Err(ApiError::Unprocessable(format!(
+            "the request asks for {num_sequences} sequences; --max-concurrent-requests is {max}"
+        )));
+    }
+    state
+        .admission
+        .clone()
+        .try_acquire_many_owned(num_sequences)
+        .map_err(|_| ApiError::Overloaded(max))
+}
+
+/// Validates and queues `n` choices of one prompt.
+async fn submit(
+    state: &AppState,
+    input: GenerateInput,
+    n: u32,
+) -> Result<(ValidRequest, Vec<EventReceiver>), ApiError> {
+    let valid = state.validator.validate(input).await?;
+    let receivers = state.engine.submit_n(valid.clone(), n)?;
+    Ok((valid, receivers))
+}
+
+/// A finished choice: every token event, and how it ended.
+pub struct Finished {
+    pub tokens: Vec<TokenEvent>,
+    pub end: EndEvent,
+}
+
+/// Waits for a choice to finish.
+async fn collect(mut events: EventReceiver) -> Result<Finished, EngineError> {
+    let mut tokens = Vec::new();
+    while let Some(event) = events.recv().await {
+        let mut event = event?;
+        if let Some(end) = event.end.take() {
+            tokens.push(event);
+            return Ok(Finished { tokens, end });
+        }
+        tokens.push(event);
+    }
+    Err(EngineError::Closed)
 }

@@ -17,6 +17,7 @@ use tower::ServiceExt;
 
 use super::{app, AppState};
 use crate::{
+    chat_template::ChatTemplate,
     config::{BatchConfig, LimitsConfig},
     engine::{EngineCore, EngineHandle, EngineStats},
     kv::BlockAllocator,
@@ -86,9 +87,19 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
     tokio::spawn(core.run());
     let state = AppState {
         engine: EngineHandle::new(inbox_tx, stats),
-        validator: Validator::new(tokenizer, limits.clone(), ((num_blocks - 2) * 4) as usize),
+        validator: Validator::new(tokenizer, limits.clone(), FAKE_VOCAB_SIZE, ((num_blocks - 2) * 4) as usize),
         admission: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
+        chat_template: Some(Arc::new(
+            ChatTemplate::new(
+                "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}".into(),
+                String::new(),
+                "<eos>".into(),
+            )
+            .expect("valid template"),
+        )),
         model_id: "fake".into(),
+        served_model_name: "fake".into(),
+        started_at: 0,
         shard_info,
         limits,
         batch,
@@ -291,7 +302,13 @@ async fn bad_input_gets_a_json_error_naming_the_field() {
 
 #[tokio::test]
 async fn overload_gets_429_with_retry_after() {
-    let server = server(64, 0).await;
+    let server = server(64, 1).await;
+    let _held = server
+        .state
+        .admission
+        .clone()
+        .try_acquire_owned()
+        .expect("one permit");
     let (status, headers, text) = post(&server.app, "/generate", json!({"inputs": "w1"})).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(headers["retry-after"], "1");
@@ -322,4 +339,156 @@ async fn info_reports_the_kv_pool() {
     assert_eq!(info["kv"]["total_blocks"], 63);
     assert_eq!(info["kv"]["block_size"], 4);
     assert_eq!(idle_free_blocks(&server).await, 63);
+}
+
+async fn get(app: &Router, uri: &str) -> Value {
+    let request = Request::builder()
+        .uri(uri)
+        .body(Body::empty())
+        .expect("valid request");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    serde_json::from_slice(&bytes).expect("json")
+}
+
+fn sse_data(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .map(|d| d.trim().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn n_choices_share_one_prompt_prefill() {
+    let server = server(64, 16).await;
+    // 10 prompt tokens with blocks of 4: the choices share the first 2 blocks and each computes 2 tokens.
+    let prompt = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10";
+    let body = json!({"model": "fake", "prompt": prompt, "max_tokens": 3, "n": 4, "seed": 5});
+    let (status, _, text) = post(&server.app, "/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let response: Value = serde_json::from_str(&text).expect("json");
+    let choices = response["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 4);
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["text"], " w11 w12 w13");
+        assert_eq!(choice["finish_reason"], "length");
+    }
+    assert_eq!(response["usage"]["prompt_tokens"], 10);
+    assert_eq!(response["usage"]["completion_tokens"], 12);
+    let info = get(&server.app, "/info").await;
+    assert_eq!(info["kv"]["prompt_tokens_computed"], 10 + 3 * 2);
+    assert_eq!(idle_free_blocks(&server).await, 63);
+}
+
+#[tokio::test]
+async fn openai_streams_end_with_usage_and_done() {
+    let server = server(64, 16).await;
+    let body = json!({"messages": [{"role": "user", "content": "w3"}], "max_tokens": 2, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (status, _, text) = post(&server.app, "/v1/chat/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("json"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .filter_map(|c| c["delta"]["content"].as_str())
+        .collect();
+    // The template renders "w3 w0": the fake then counts on from w0.
+    assert_eq!(content, " w1 w2");
+    let usage = &chunks.last().expect("usage chunk")["usage"];
+    assert_eq!(usage["completion_tokens"], 2);
+    assert_eq!(usage["prompt_tokens"], 2);
+}
+
+#[tokio::test]
+async fn openai_errors_have_openai_shape() {
+    let server = server(64, 16).await;
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/completions",
+        json!({"model": "gpt-4", "prompt": "w1"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let error: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(error["error"]["code"], "model_not_found");
+    assert_eq!(error["error"]["param"], "model");
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/completions",
+        json!({"prompt": "w1", "suffix": "x"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(text.contains("`suffix`"), "{text}");
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/chat/completions",
+        json!({"messages": [], "temperature": 1.0}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    let error: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(error["error"]["type"], "invalid_request_error");
+    assert_eq!(error["error"]["param"], "messages");
+    let models = get(&server.app, "/v1/models").await;
+    assert_eq!(models["data"][0]["id"], "fake");
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_round_trip() {
+    let server = server(64, 16).await;
+    let (status, _, text) = post(&server.app, "/tokenize", json!({"prompt": "w4 w5"})).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let tokens: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(tokens["count"], 2);
+    assert_eq!(tokens["tokens"][1]["id"], 5);
+    assert_eq!(tokens["tokens"][1]["text"], "w5");
+    let (_, _, text) = post(&server.app, "/detokenize", json!({"tokens": [4, 5]})).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).expect("json")["prompt"],
+        "w4 w5"
+    );
+    let (_, _, text) = post(
+        &server.app,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": "w7"}]}),
+    )
+    .await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).expect("json")["prompt"],
+        "w7 w0"
+    );
+}
+
+#[tokio::test]
+async fn openapi_document_lists_every_route() {
+    let server = server(64, 16).await;
+    let doc = get(&server.app, "/openapi.json").await;
+    for path in [
+        "/generate",
+        "/generate_stream",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/info",
+    ] {
+        assert!(
+            doc["paths"].get(path).is_some(),
+            "{path} missing from the OpenAPI document"
+        );
+    }
 }

@@ -31,6 +31,8 @@ pub struct SeqView {
     pub num_computed_tokens: usize,
     /// KV blocks the sequence holds now.
     pub num_blocks: usize,
+    /// Of those, the blocks no other sequence holds: what preempting it would free.
+    pub num_freeable_blocks: usize,
 }
 
 /// One sequence's share of an iteration.
@@ -120,7 +122,7 @@ pub fn schedule(
             match newest {
                 Some(i) => {
                     let (_, victim) = pending.remove(i);
-                    free_blocks += victim.num_blocks;
+                    free_blocks += victim.num_freeable_blocks;
                     plan.preempted.push(victim.id);
                 }
                 None => break,
@@ -130,7 +132,7 @@ pub fn schedule(
             num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size)
                 .saturating_sub(seq.num_blocks);
         if num_tokens == 0 || num_new_blocks > free_blocks {
-            free_blocks += seq.num_blocks;
+            free_blocks += seq.num_freeable_blocks;
             plan.preempted.push(seq.id);
             continue;
         }

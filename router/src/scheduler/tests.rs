@@ -20,6 +20,7 @@ fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_blocks: usize
         num_tokens,
         num_computed_tokens,
         num_blocks,
+        num_freeable_blocks: num_blocks,
     }
 }
 
@@ -177,6 +178,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 allocator.free(&s.blocks).expect("victim blocks are owned");
                 s.blocks.clear();
                 s.view.num_blocks = 0;
+                s.view.num_freeable_blocks = 0;
                 s.view.num_computed_tokens = 0;
                 waiting.push_front(s);
             }
@@ -190,6 +192,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                     .expect("plan fits the free blocks");
                 s.blocks.extend(new);
                 s.view.num_blocks = s.blocks.len();
+                s.view.num_freeable_blocks = s.blocks.len();
                 s.view.num_computed_tokens += step.num_scheduled_tokens;
                 assert!(s.view.num_computed_tokens <= s.view.num_tokens);
                 assert!(s.view.num_computed_tokens <= s.blocks.len() * cfg.block_size);

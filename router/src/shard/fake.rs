@@ -50,7 +50,7 @@ impl FakeShard {
         }
         let mut generations = Vec::new();
         for chunk in &request.sequences {
-            if let Some(params) = chunk.params {
+            if let Some(params) = chunk.params.clone() {
                 state.known.insert(chunk.id, params);
             }
             if !state.known.contains_key(&chunk.id) {

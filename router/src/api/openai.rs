@@ -1,0 +1,307 @@
+//! Request and response bodies of the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
+//! `/v1/models`), with the sampling extensions vLLM users expect. Unknown fields are rejected.
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::LogitBias;
+
+/// A string or a list of strings (`stop`).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StringOrList {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StringOrList::One(s) => vec![s],
+            StringOrList::Many(v) => v,
+        }
+    }
+}
+
+/// `prompt` of a completion: text, texts, token ids, or lists of token ids.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum CompletionPrompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` and no choices.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct SamplingFields {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// Choices per prompt; they share the prompt's KV blocks.
+    pub n: Option<u32>,
+    pub stop: Option<StringOrList>,
+    pub seed: Option<u64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) to a bias in [-100, 100] added to its logit.
+    #[schema(value_type = Option<Object>)]
+    pub logit_bias: Option<LogitBias>,
+    /// Recorded for the caller's bookkeeping only.
+    pub user: Option<String>,
+    /// vLLM extension: sample among the k most likely tokens; -1 or 0 = off.
+    pub top_k: Option<i64>,
+    /// vLLM extension: drop tokens below min_p times the top token's probability.
+    pub min_p: Option<f32>,
+    /// vLLM extension: HF-style repetition penalty.
+    pub repetition_penalty: Option<f32>,
+    /// vLLM extension: no end-of-sequence or stop token before this many tokens.
+    pub min_tokens: Option<u32>,
+    /// vLLM extension: keep generating after an end-of-sequence token.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// vLLM extension: token ids that end generation like EOS.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM extension: drop special tokens from the text. Default true.
+    pub skip_special_tokens: Option<bool>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    /// Must be the served model name when given.
+    pub model: Option<String>,
+    pub prompt: CompletionPrompt,
+    pub max_tokens: Option<u32>,
+    /// Return the logprobs of this many most likely tokens per position (0..=20) and the chosen one's.
+    pub logprobs: Option<u32>,
+    /// Put the prompt in front of the completion text.
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// Every field not named above; a request with any is rejected, naming them.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub unknown: UnknownFields,
+}
+
+/// Fields a request carried that this API does not know (`serde(flatten)` collects them last).
+pub type UnknownFields = std::collections::BTreeMap<String, serde_json::Value>;
+
+/// Content of a chat message: text, or a list of parts of which only text parts are supported.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContentPart {
+    /// Only "text" is supported.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    /// "system", "user", "assistant" (or any role the model's template knows).
+    pub role: String,
+    pub content: Option<MessageContent>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ChatCompletionRequest {
+    pub model: Option<String>,
+    pub messages: Vec<ChatMessage>,
+    /// Deprecated by OpenAI in favour of `max_completion_tokens`; either is accepted.
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    /// Return the chosen token's logprob.
+    #[serde(default)]
+    pub logprobs: bool,
+    /// With `logprobs`: this many most likely alternatives per position (0..=20).
+    pub top_logprobs: Option<u32>,
+    /// vLLM extension: end the prompt with the assistant's turn opening. Default true.
+    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    /// Every field not named above; a request with any is rejected, naming them.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub unknown: UnknownFields,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose K/V were reused from the prefix cache (or a sibling choice).
+    pub cached_tokens: u32,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// Legacy completions logprobs.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<Option<f32>>,
+    #[schema(value_type = Vec<Object>)]
+    pub top_logprobs: Vec<Option<serde_json::Map<String, serde_json::Value>>>,
+    pub text_offset: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<CompletionLogprobs>,
+    /// "stop" or "length"; null on stream chunks before the last.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// `POST /v1/completions` response, and each chunk of its stream.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionResponse {
+    pub id: String,
+    /// "text_completion".
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct ChatLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct AssistantMessage {
+    /// "assistant".
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: &'static str,
+}
+
+/// `POST /v1/chat/completions` response.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatCompletionResponse {
+    pub id: String,
+    /// "chat.completion".
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatChunkChoice {
+    pub index: u32,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// One chunk of a `/v1/chat/completions` stream.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    /// "chat.completion.chunk".
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Model {
+    pub id: String,
+    /// "model".
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    /// Most tokens of one request, prompt plus generated.
+    pub max_model_len: u32,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ModelList {
+    /// "list".
+    pub object: &'static str,
+    pub data: Vec<Model>,
+}
+
+/// OpenAI's error body.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub param: Option<String>,
+    pub code: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ErrorResponse {
+    pub error: ErrorBody,
+}

@@ -1,0 +1,538 @@
+//! The OpenAI-compatible API: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+//! Requests become the shared `GenerateInput`, so validation, sampling, stop handling and text are
+//! exactly the native API's.
+
+use std::{
+    convert::Infallible,
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use axum::{
+    extract::{rejection::JsonRejection, State},
+    response::{
+        sse::{Event, KeepAlive, Sse},
+        IntoResponse, Response,
+    },
+    Json,
+};
+use futures::{stream::SelectAll, StreamExt};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use super::{acquire, collect, error::OpenAiError, submit, ApiError, AppState, Finished};
+use crate::{
+    api::{
+        openai::{
+            AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+            ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
+            CompletionChoice, CompletionLogprobs, CompletionPrompt, CompletionRequest,
+            CompletionResponse, ErrorResponse, Model, ModelList, PromptTokensDetails,
+            SamplingFields, TokenLogprob, TopLogprob, UnknownFields, Usage,
+        },
+        FinishReason,
+    },
+    engine::{EndEvent, EngineError, EventReceiver, TokenEvent},
+    validation::{GenerateInput, Prompt, ValidationError},
+};
+
+/// Most choices one request may ask for.
+const MAX_N: u32 = 32;
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default()
+}
+
+fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Length => "length",
+        FinishReason::EosToken | FinishReason::StopSequence => "stop",
+    }
+}
+
+fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(model) if *model != state.served_model_name => Err(ApiError::ModelNotFound(
+            model.clone(),
+            state.served_model_name.clone(),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn check_unknown(unknown: &UnknownFields) -> Result<(), ApiError> {
+    match unknown.keys().next() {
+        Some(field) => Err(ApiError::Unsupported {
+            message: format!(
+                "unknown or unsupported field(s): {}",
+                unknown
+                    .keys()
+                    .map(|k| format!("`{k}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            param: field.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Maps the OpenAI sampling fields onto the shared `GenerateInput`.
+fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<u32, ApiError> {
+    input.temperature = fields.temperature;
+    input.top_p = fields.top_p;
+    input.seed = fields.seed;
+    input.stop = fields
+        .stop
+        .clone()
+        .map(|s| s.into_vec())
+        .unwrap_or_default();
+    input.presence_penalty = fields.presence_penalty;
+    input.frequency_penalty = fields.frequency_penalty;
+    input.repetition_penalty = fields.repetition_penalty;
+    input.min_p = fields.min_p;
+    input.top_k = match fields.top_k {
+        None | Some(-1) | Some(0) => None,
+        Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
+        Some(k) => {
+            return Err(ValidationError::OutOfRange(
+                "top_k",
+                "> 0, or -1 for no limit",
+                k.to_string(),
+            )
+            .into())
+        }
+    };
+    input.min_new_tokens = fields.min_tokens.unwrap_or(0);
+    input.ignore_eos = fields.ignore_eos;
+    input.stop_token_ids = fields.stop_token_ids.clone().unwrap_or_default();
+    input.skip_special_tokens = fields.skip_special_tokens.unwrap_or(true);
+    if let Some(bias) = &fields.logit_bias {
+        for (key, &value) in bias {
+            let id: u32 = key.parse().map_err(|_| {
+                ValidationError::OutOfRange(
+                    "logit_bias",
+                    "keyed by token ids",
+                    format!("key {key:?}"),
+                )
+            })?;
+            input.logit_bias.insert(id, value);
+        }
+    }
+    let n = fields.n.unwrap_or(1);
+    if n == 0 || n > MAX_N {
+        return Err(ValidationError::OutOfRange("n", "in [1, 32]", n.to_string()).into());
+    }
+    Ok(n)
+}
+
+fn usage(prompts: &[(u32, u32)], choices: &[Finished]) -> Usage {
+    let prompt_tokens: u32 = prompts.iter().map(|(tokens, _)| tokens).sum();
+    let completion_tokens = choices.iter().map(|c| c.end.num_generated_tokens).sum();
+    Usage {
+        prompt_tokens,
+        completion_tokens,
+        total_tokens: prompt_tokens + completion_tokens,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: prompts.iter().map(|(_, cached)| cached).sum(),
+        },
+    }
+}
+
+/// Streams several choices as one: each event tagged with its choice index.
+type ChoiceStream =
+    SelectAll<futures::stream::BoxStream<'static, (u32, Result<TokenEvent, EngineError>)>>;
+
+fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
+    futures::stream::select_all(receivers.into_iter().enumerate().map(|(index, rx)| {
+        UnboundedReceiverStream::new(rx)
+            .map(move |event| (index as u32, event))
+            .boxed()
+    }))
+}
+
+/// Tracks usage over a stream: prompt tokens once per prompt, completion tokens per choice.
+#[derive(Default)]
+struct StreamUsage {
+    prompt_tokens: u32,
+    cached_tokens: u32,
+    completion_tokens: u32,
+}
+
+impl StreamUsage {
+    fn add(&mut self, end: &EndEvent, is_first_choice_of_prompt: bool) {
+        if is_first_choice_of_prompt {
+            self.prompt_tokens += end.num_prompt_tokens;
+            self.cached_tokens += end.num_cached_tokens;
+        }
+        self.completion_tokens += end.num_generated_tokens;
+    }
+
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            total_tokens: self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: self.cached_tokens,
+            },
+        }
+    }
+}
+
+fn sse_json(value: impl serde::Serialize) -> Result<Event, Infallible> {
+    Ok(Event::default()
+        .json_data(value)
+        .expect("responses serialize"))
+}
+
+fn sse_error(error: EngineError) -> Result<Event, Infallible> {
+    Ok(Event::default()
+        .event("error")
+        .json_data(ApiError::from(error).openai_body())
+        .expect("errors serialize"))
+}
+
+/// List the served model.
+#[utoipa::path(get, path = "/v1/models", tag = "openai", responses((status = 200, body = ModelList)))]
+pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![Model {
+            id: state.served_model_name.clone(),
+            object: "model",
+            created: state.started_at,
+            owned_by: "rill",
+            max_model_len: state.limits.max_total_tokens,
+        }],
+    })
+}
+
+/// Legacy completions, streaming or not.
+#[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionRequest,
+    responses((status = 200, body = CompletionResponse), (status = 404, body = ErrorResponse),
+              (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
+pub async fn completions(
+    State(state): State<AppState>,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Result<Response, OpenAiError> {
+    let Json(request) = body?;
+    check_model(&state, &request.model)?;
+    check_unknown(&request.unknown)?;
+    tracing::debug!(user = ?request.sampling.user, "completion request");
+    let prompts: Vec<Prompt> = match request.prompt {
+        CompletionPrompt::Text(text) => vec![Prompt::Text {
+            text,
+            add_special_tokens: true,
+        }],
+        CompletionPrompt::Texts(texts) => texts
+            .into_iter()
+            .map(|text| Prompt::Text {
+                text,
+                add_special_tokens: true,
+            })
+            .collect(),
+        CompletionPrompt::Tokens(ids) => vec![Prompt::Tokens(ids)],
+        CompletionPrompt::TokenLists(lists) => lists.into_iter().map(Prompt::Tokens).collect(),
+    };
+    if prompts.is_empty() {
+        return Err(ValidationError::EmptyInput("prompt").into());
+    }
+    let top_n = request.logprobs.unwrap_or(0);
+    if request.echo && request.logprobs.is_some() {
+        return Err(ApiError::Unsupported {
+            message: "`echo` together with `logprobs` is not supported (prompt logprobs are not computed)".into(),
+            param: "echo".into(),
+        }
+        .into());
+    }
+    let mut n = 1;
+    let mut inputs = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let mut input = GenerateInput::new(prompt, "prompt", "max_tokens");
+        // OpenAI's default for completions is 16 tokens.
+        input.max_new_tokens = Some(request.max_tokens.unwrap_or(16));
+        input.top_n_tokens = top_n;
+        n = apply_sampling(&mut input, &request.sampling)?;
+        inputs.push(input);
+    }
+    let permit = acquire(&state, inputs.len() as u32 * n)?;
+    let mut receivers = Vec::new();
+    let mut echoes = Vec::new();
+    for input in inputs {
+        let (valid, rxs) = submit(&state, input, n).await?;
+        let echo = if request.echo {
+            state.decode(&valid.prompt_ids, false)
+        } else {
+            String::new()
+        };
+        echoes.push(echo);
+        receivers.extend(rxs);
+    }
+    let id = format!("cmpl-{}", uuid_like());
+    let model = state.served_model_name.clone();
+    let created = now();
+    let wants_logprobs = request.logprobs.is_some();
+    let completion_logprobs =
+        |state: &AppState, tokens: &[TokenEvent], offset: usize| -> CompletionLogprobs {
+            let mut logprobs = CompletionLogprobs::default();
+            let mut text_offset = offset;
+            for event in tokens {
+                let text = state.token_text(event.token_id);
+                logprobs.text_offset.push(text_offset);
+                text_offset += event.text.len();
+                logprobs.tokens.push(text);
+                logprobs.token_logprobs.push(Some(event.logprob));
+                logprobs.top_logprobs.push(Some(
+                    event
+                        .top_logprobs
+                        .iter()
+                        .map(|&(tid, lp)| (state.token_text(tid), serde_json::json!(lp)))
+                        .collect(),
+                ));
+            }
+            logprobs
+        };
+
+    if !request.sampling.stream.unwrap_or(false) {
+        let _permit = permit;
+        let mut finished = Vec::with_capacity(receivers.len());
+        for rx in receivers {
+            finished.push(collect(rx).await?);
+        }
+        let prompts: Vec<(u32, u32)> = finished
+            .chunks(n as usize)
+            .map(|group| {
+                (
+                    group[0].end.num_prompt_tokens,
+                    group[0].end.num_cached_tokens,
+                )
+            })
+            .collect();
+        let choices = finished
+            .iter()
+            .enumerate()
+            .map(|(index, choice)| {
+                let echo = &echoes[index / n as usize];
+                CompletionChoice {
+                    index: index as u32,
+                    text: format!("{echo}{}", choice.end.generated_text),
+                    logprobs: wants_logprobs
+                        .then(|| completion_logprobs(&state, &choice.tokens, echo.len())),
+                    finish_reason: Some(finish_reason(choice.end.finish_reason)),
+                }
+            })
+            .collect();
+        let usage = usage(&prompts, &finished);
+        return Ok(Json(CompletionResponse {
+            id,
+            object: "text_completion",
+            created,
+            model,
+            choices,
+            usage: Some(usage),
+        })
+        .into_response());
+    }
+
+    let include_usage = request
+        .sampling
+        .stream_options
+        .is_some_and(|o| o.include_usage);
+    let mut events = merge(receivers);
+    let stream = async_stream::stream! {
+        let _permit = permit;
+        let mut stream_usage = StreamUsage::default();
+        let chunk = |choices: Vec<CompletionChoice>, usage: Option<Usage>| CompletionResponse {
+            id: id.clone(), object: "text_completion", created, model: model.clone(), choices, usage,
+        };
+        if request.echo {
+            for (prompt_index, echo) in echoes.iter().enumerate() {
+                for k in 0..n {
+                    let index = prompt_index as u32 * n + k;
+                    yield sse_json(chunk(vec![CompletionChoice { index, text: echo.clone(), logprobs: None, finish_reason: None }], None));
+                }
+            }
+        }
+        while let Some((index, event)) = events.next().await {
+            match event {
+                Ok(event) => {
+                    let logprobs = wants_logprobs.then(|| completion_logprobs(&state, std::slice::from_ref(&event), 0));
+                    let finish = event.end.as_ref().map(|end| finish_reason(end.finish_reason));
+                    if let Some(end) = &event.end {
+                        stream_usage.add(end, index % n == 0);
+                    }
+                    yield sse_json(chunk(vec![CompletionChoice { index, text: event.text.clone(), logprobs, finish_reason: finish }], None));
+                }
+                Err(error) => {
+                    yield sse_error(error);
+                    return;
+                }
+            }
+        }
+        if include_usage {
+            yield sse_json(chunk(Vec::new(), Some(stream_usage.usage())));
+        }
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
+    ChatLogprobs {
+        content: tokens
+            .iter()
+            .map(|event| {
+                let token = state.token_text(event.token_id);
+                TokenLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: event.logprob,
+                    top_logprobs: event
+                        .top_logprobs
+                        .iter()
+                        .map(|&(id, logprob)| {
+                            let token = state.token_text(id);
+                            TopLogprob {
+                                bytes: token.as_bytes().to_vec(),
+                                token,
+                                logprob,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Chat completions, streaming or not, with the model's own chat template.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatCompletionRequest,
+    responses((status = 200, body = ChatCompletionResponse), (status = 404, body = ErrorResponse),
+              (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<Json<ChatCompletionRequest>, JsonRejection>,
+) -> Result<Response, OpenAiError> {
+    let Json(request) = body?;
+    check_model(&state, &request.model)?;
+    check_unknown(&request.unknown)?;
+    tracing::debug!(user = ?request.sampling.user, "chat completion request");
+    if request.messages.is_empty() {
+        return Err(ValidationError::EmptyInput("messages").into());
+    }
+    let prompt = state.render_chat(
+        &request.messages,
+        request.add_generation_prompt.unwrap_or(true),
+    )?;
+    // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
+    let mut input = GenerateInput::new(
+        Prompt::Text {
+            text: prompt,
+            add_special_tokens: false,
+        },
+        "messages",
+        "max_completion_tokens",
+    );
+    input.max_new_tokens = request.max_completion_tokens.or(request.max_tokens);
+    if request.top_logprobs.is_some() && !request.logprobs {
+        return Err(ValidationError::OutOfRange(
+            "top_logprobs",
+            "used with `logprobs: true`",
+            "without it".into(),
+        )
+        .into());
+    }
+    input.top_n_tokens = request.top_logprobs.unwrap_or(0);
+    let n = apply_sampling(&mut input, &request.sampling)?;
+    let permit = acquire(&state, n)?;
+    let (_, receivers) = submit(&state, input, n).await?;
+    let id = format!("chatcmpl-{}", uuid_like());
+    let model = state.served_model_name.clone();
+    let created = now();
+    let wants_logprobs = request.logprobs;
+
+    if !request.sampling.stream.unwrap_or(false) {
+        let _permit = permit;
+        let mut finished = Vec::with_capacity(receivers.len());
+        for rx in receivers {
+            finished.push(collect(rx).await?);
+        }
+        let prompts = [(
+            finished[0].end.num_prompt_tokens,
+            finished[0].end.num_cached_tokens,
+        )];
+        let choices = finished
+            .iter()
+            .enumerate()
+            .map(|(index, choice)| ChatChoice {
+                index: index as u32,
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: choice.end.generated_text.clone(),
+                },
+                logprobs: wants_logprobs.then(|| chat_logprobs(&state, &choice.tokens)),
+                finish_reason: finish_reason(choice.end.finish_reason),
+            })
+            .collect();
+        let usage = usage(&prompts, &finished);
+        return Ok(Json(ChatCompletionResponse {
+            id,
+            object: "chat.completion",
+            created,
+            model,
+            choices,
+            usage,
+        })
+        .into_response());
+    }
+
+    let include_usage = request
+        .sampling
+        .stream_options
+        .is_some_and(|o| o.include_usage);
+    let mut events = merge(receivers);
+    let stream = async_stream::stream! {
+        let _permit = permit;
+        let mut stream_usage = StreamUsage::default();
+        let chunk = |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
+            id: id.clone(), object: "chat.completion.chunk", created, model: model.clone(), choices, usage,
+        };
+        for index in 0..n {
+            let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()) };
+            yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], None));
+        }
+        while let Some((index, event)) = events.next().await {
+            match event {
+                Ok(event) => {
+                    let logprobs = wants_logprobs.then(|| chat_logprobs(&state, std::slice::from_ref(&event)));
+                    let finish = event.end.as_ref().map(|end| finish_reason(end.finish_reason));
+                    if let Some(end) = &event.end {
+                        stream_usage.add(end, index == 0);
+                    }
+                    let delta = ChatDelta { role: None, content: Some(event.text.clone()) };
+                    yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason: finish }], None));
+                }
+                Err(error) => {
+                    yield sse_error(error);
+                    return;
+                }
+            }
+        }
+        if include_usage {
+            yield sse_json(chunk(Vec::new(), Some(stream_usage.usage())));
+        }
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+/// A random 24-hex-digit id for responses.
+fn uuid_like() -> String {
+    format!("{:024x}", rand::random::<u128>() >> 32)
+}

@@ -1,0 +1,197 @@
+//! Service routes: health, info, tokenization, and the API's own description.
+
+use std::sync::atomic::Ordering;
+
+use axum::{
+    extract::{rejection::JsonRejection, State},
+    http::StatusCode,
+    response::{Html, IntoResponse, Response},
+    Json,
+};
+use utoipa::OpenApi;
+
+use super::{ApiError, AppState};
+use crate::api::{
+    DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, TokenSpan, TokenizeRequest,
+    TokenizeResponse,
+};
+
+/// Liveness: 200 while the router runs.
+#[utoipa::path(get, path = "/health", tag = "service", responses((status = 200)))]
+pub async fn health() -> Response {
+    StatusCode::OK.into_response()
+}
+
+/// The model, the limits, and the KV pool as the allocator sees it now.
+#[utoipa::path(get, path = "/info", tag = "service", responses((status = 200, body = Info)))]
+pub async fn info(State(state): State<AppState>) -> Json<Info> {
+    let stats = &state.engine.stats;
+    let total_blocks = stats.num_total_blocks.load(Ordering::Relaxed);
+    let free_blocks = stats.num_free_blocks.load(Ordering::Relaxed);
+    Json(Info {
+        model_id: state.model_id.clone(),
+        served_model_name: state.served_model_name.clone(),
+        model_type: state.shard_info.model_type.clone(),
+        model_dtype: state.shard_info.dtype.clone(),
+        model_device_type: state.shard_info.device.clone(),
+        num_shard: state.shard_info.world_size,
+        max_input_tokens: state.limits.max_input_tokens,
+        max_total_tokens: state.limits.max_total_tokens,
+        max_batch_tokens: state.batch.max_batch_tokens,
+        max_batch_size: state.batch.max_batch_size,
+        max_concurrent_requests: state.limits.max_concurrent_requests,
+        max_stop_sequences: state.limits.max_stop_sequences,
+        kv: KvInfo {
+            block_size: state.shard_info.block_size,
+            total_blocks,
+            free_blocks,
+            used_blocks: total_blocks - free_blocks,
+            waiting_requests: stats.num_waiting.load(Ordering::Relaxed),
+            running_requests: stats.num_running.load(Ordering::Relaxed),
+            prompt_tokens_computed: stats.num_prompt_tokens_computed.load(Ordering::Relaxed),
+        },
+        version: env!("CARGO_PKG_VERSION"),
+    })
+}
+
+/// Token ids and their text, for a plain prompt or for chat messages (rendered with the chat template).
+#[utoipa::path(post, path = "/tokenize", tag = "service", request_body = TokenizeRequest,
+    responses((status = 200, body = TokenizeResponse), (status = 422, body = ErrorResponse)))]
+pub async fn tokenize(
+    State(state): State<AppState>,
+    body: Result<Json<TokenizeRequest>, JsonRejection>,
+) -> Result<Json<TokenizeResponse>, ApiError> {
+    let Json(request) = body?;
+    let (prompt, add_special_tokens) = match (request.prompt, request.messages) {
+        (Some(prompt), None) => (prompt, request.add_special_tokens.unwrap_or(true)),
+        (None, Some(messages)) => (
+            state.render_chat(&messages, request.add_generation_prompt.unwrap_or(true))?,
+            false,
+        ),
+        _ => {
+            return Err(ApiError::Unprocessable(
+                "give exactly one of `prompt` (or `inputs`) and `messages`".into(),
+            ))
+        }
+    };
+    let encoding = state
+        .validator
+        .tokenize(prompt.clone(), add_special_tokens)
+        .await?;
+    let tokens: Vec<TokenSpan> = encoding
+        .get_ids()
+        .iter()
+        .zip(encoding.get_offsets())
+        .map(|(&id, &(start, stop))| TokenSpan {
+            id,
+            text: prompt.get(start..stop).unwrap_or_default().to_owned(),
+            start,
+            stop,
+        })
+        .collect();
+    Ok(Json(TokenizeResponse {
+        count: tokens.len(),
+        prompt,
+        tokens,
+        max_input_tokens: state.limits.max_input_tokens,
+    }))
+}
+
+/// Text of token ids.
+#[utoipa::path(post, path = "/detokenize", tag = "service", request_body = DetokenizeRequest,
+    responses((status = 200, body = DetokenizeResponse), (status = 422, body = ErrorResponse)))]
+pub async fn detokenize(
+    State(state): State<AppState>,
+    body: Result<Json<DetokenizeRequest>, JsonRejection>,
+) -> Result<Json<DetokenizeResponse>, ApiError> {
+    let Json(request) = body?;
+    let vocab_size = state.shard_info.vocab_size;
+    if let Some(&id) = request.tokens.iter().find(|&&id| id >= vocab_size) {
+        return Err(
+            crate::validation::ValidationError::TokenOutOfVocab(id, "tokens", vocab_size).into(),
+        );
+    }
+    Ok(Json(DetokenizeResponse {
+        prompt: state.decode(&request.tokens, request.skip_special_tokens.unwrap_or(true)),
+    }))
+}
+
+/// The OpenAPI document of every route, generated from the code.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Rill",
+        description = "LLM serving: TGI-compatible and OpenAI-compatible APIs"
+    ),
+    paths(
+        super::native::compat,
+        super::native::generate,
+        super::native::generate_stream,
+        super::openai::completions,
+        super::openai::chat_completions,
+        super::openai::models,
+        health,
+        info,
+        tokenize,
+        detokenize,
+    )
+)]
+pub struct ApiDoc;
+
+/// `GET /openapi.json`.
+pub async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+/// `GET /docs`: a self-contained page (no scripts from elsewhere) listing every route and its schemas.
+pub async fn docs() -> Html<String> {
+    let doc = ApiDoc::openapi();
+    let mut html = String::from(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>Rill API</title><style>\
+         body{font-family:sans-serif;max-width:60em;margin:2em auto}code,pre{background:#f4f4f4}\
+         pre{padding:1em;overflow:auto}h2{border-top:1px solid #ccc;padding-top:1em}</style></head><body>\
+         <h1>Rill API</h1><p>Machine-readable: <a href=\"/openapi.json\">/openapi.json</a></p>",
+    );
+    for (path, item) in &doc.paths.paths {
+        for (method, operation) in [("GET", &item.get), ("POST", &item.post)] {
+            let Some(operation) = operation else { continue };
+            html.push_str(&format!(
+                "<h2><code>{method} {}</code></h2><p>{}</p>",
+                escape(path),
+                escape(
+                    operation
+                        .description
+                        .as_deref()
+                        .or(operation.summary.as_deref())
+                        .unwrap_or_default()
+                )
+            ));
+            if let Some(body) = &operation.request_body {
+                let json = serde_json::to_string_pretty(body).unwrap_or_default();
+                html.push_str(&format!(
+                    "<details><summary>request body</summary><pre>{}</pre></details>",
+                    escape(&json)
+                ));
+            }
+        }
+    }
+    if let Some(components) = &doc.components {
+        html.push_str("<h2>Schemas</h2>");
+        for (name, schema) in &components.schemas {
+            let json = serde_json::to_string_pretty(schema).unwrap_or_default();
+            html.push_str(&format!(
+                "<details><summary><code>{}</code></summary><pre>{}</pre></details>",
+                escape(name),
+                escape(&json)
+            ));
+        }
+    }
+    html.push_str("</body></html>");
+    Html(html)
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
