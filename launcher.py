@@ -4,8 +4,10 @@ Run: python launcher.py [flags]   (python launcher.py --help lists them; each al
 With no arguments it serves the built-in SmolLM2-135M-Instruct at http://127.0.0.1:8080.
 
 Sequence: parse flags once into a `LaunchConfig`; start one `python -m shard.server` per rank on a unix
-socket in a private temp folder; wait until each answers the gRPC Health call; start `rill-router`
-(which calls Info and Warmup on the shards, then serves HTTP); wait until GET /health answers 200.
+socket in a private temp folder (with --num-shard N > 1 the N ranks form one torch.distributed group
+through a rendezvous file in that folder, rank r on cuda:r); wait until each answers the gRPC Health call;
+start `rill-router` (which calls Info and Warmup on the shards, then serves HTTP); wait until GET /health
+answers 200.
 Then supervise: if any child exits, stop the others (SIGTERM, SIGKILL after a grace period) and exit
 non-zero naming it; SIGINT/SIGTERM to the launcher stop everything and exit 0.
 """
@@ -79,7 +81,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("model-id", Path, None, "Hugging Face-layout model folder; auto = built-in SmolLM2-135M-Instruct")
     flag("hostname", str, "127.0.0.1", "address the router's HTTP server binds to")
     flag("port", int, 8080, "port of the router's HTTP server")
-    flag("num-shard", int, 1, "number of tensor-parallel shard processes (only 1 is supported for now)")
+    flag("num-shard", int, 1, "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
     flag("device", str, None, "cpu or cuda; auto = cuda when torch sees a GPU, else cpu")
     flag("dtype", str, None, "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda")
     flag("max-input-tokens", int, 4095, "most prompt tokens one request may have")
@@ -100,8 +102,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     environ = os.environ if environ is None else environ
     parser = build_parser(environ)
     args = parser.parse_args(argv)
-    if args.num_shard != 1:
-        parser.error(f"--num-shard must be 1 for now (no tensor parallelism yet), got {args.num_shard}")
+    if args.num_shard < 1:
+        parser.error(f"--num-shard must be >= 1, got {args.num_shard}")
     device = args.device or _default_device()
     if device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {device!r}")
@@ -185,7 +187,9 @@ def find_router_bin(environ: Mapping[str, str]) -> Path:
     )
 
 
-def shard_command(config: LaunchConfig, socket_path: Path, rank: int) -> list[str]:
+def shard_command(
+    config: LaunchConfig, socket_path: Path, rank: int, dist_init_method: str | None = None
+) -> list[str]:
     command = [
         sys.executable, "-m", "shard.server",
         "--model-id", str(config.model_id),
@@ -198,6 +202,8 @@ def shard_command(config: LaunchConfig, socket_path: Path, rank: int) -> list[st
     ]  # fmt: skip
     if config.num_threads is not None:
         command += ["--num-threads", str(config.num_threads)]
+    if dist_init_method is not None:
+        command += ["--dist-init-method", dist_init_method]
     return command
 
 
@@ -328,8 +334,11 @@ def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
             "OMP_WAIT_POLICY": "PASSIVE",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
         }
+        # The ranks rendezvous through a file in the private folder: no port to pick, nothing to race for.
+        dist_init_method = f"file://{socket_dir}/dist-init" if config.num_shard > 1 else None
         for rank, socket_path in enumerate(socket_paths):
-            supervisor.start(f"shard-{rank}", shard_command(config, socket_path, rank), shard_env)
+            command = shard_command(config, socket_path, rank, dist_init_method)
+            supervisor.start(f"shard-{rank}", command, shard_env)
         for rank, socket_path in enumerate(socket_paths):
             is_ready = functools.partial(shard_is_healthy, socket_path)
             supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)

@@ -21,6 +21,8 @@ class ShardConfig:
 
     `block_size` is tokens per KV block; the router's allocator uses exactly this value (it learns it
     from `Info`). `num_threads` is torch's intra-op thread count on the CPU (0 = torch's default).
+    With `world_size` > 1 the ranks rendezvous through `dist_init_method`, a torch.distributed URL
+    (tcp://127.0.0.1:PORT, or file:///PATH in a folder private to one launch).
     """
 
     model_path: Path
@@ -31,6 +33,7 @@ class ShardConfig:
     rank: int = 0
     world_size: int = 1
     num_threads: int = 0
+    dist_init_method: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -41,6 +44,8 @@ class ShardConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.world_size > 1 and not self.dist_init_method:
+            raise ValueError(f"world_size {self.world_size} needs a dist_init_method (tcp://... or file://...)")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

@@ -1,5 +1,9 @@
 """Loads a Hugging Face safetensors checkpoint into a Rill model, tensor by tensor, through each parameter's
-`weight_loader` (fused layers map the checkpoint's separate q/k/v and gate/up tensors into their slices)."""
+`weight_loader` (fused layers map the checkpoint's separate q/k/v and gate/up tensors into their slices).
+
+A parameter with a `weight_loader` gets a lazy safetensors slice of the memory-mapped file, and its loader
+reads only this tensor-parallel rank's rows or columns: a rank never materializes a whole split tensor.
+Parameters without one (norms) are replicated and read whole."""
 
 from __future__ import annotations
 
@@ -49,13 +53,12 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
                             f"checkpoint tensor {name!r} ({file.name}) has no parameter in the model"
                         )
                     param = params[target]
-                    tensor = f.get_tensor(name)
                     loader = getattr(param, "weight_loader", None)
                     if loader is not None:
-                        loader(param, tensor, shard_id)
+                        loader(param, f.get_slice(name), shard_id)
                     else:
                         assert shard_id is None, f"{target} is fused but has no weight_loader"
-                        _default_weight_loader(param, tensor)
+                        _default_weight_loader(param, f.get_tensor(name))
                     loaded.add(target)
     # A tied LM head shares the embedding's tensor, so loading either name loads both.
     tied = {name for name, p in params.items() for other in loaded if params[other] is p}

@@ -114,7 +114,7 @@ def test_help_names_each_env_var_and_default() -> None:
 @pytest.mark.parametrize(
     ("argv", "environ", "message"),
     [
-        (["--num-shard", "2"], {}, "--num-shard must be 1"),
+        (["--num-shard", "0"], {}, "--num-shard must be >= 1"),
         ([], {"RILL_PORT": "http"}, "invalid int value: 'http'"),
         (["--device", "tpu"], {}, "--device must be cpu or cuda"),
         (["--dtype", "int8"], {}, "--dtype must be float32, bfloat16 or float16"),

@@ -43,11 +43,7 @@ pub struct ChatTemplate {
 fn token_string(value: Option<&serde_json::Value>) -> String {
     match value {
         Some(serde_json::Value::String(s)) => s.clone(),
-        Some(serde_json::Value::Object(o)) => o
-            .get("content")
-            .and_then(|c| c.as_str())
-            .unwrap_or_default()
-            .to_owned(),
+        Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).unwrap_or_default().to_owned(),
         _ => String::new(),
     }
 }
@@ -55,12 +51,10 @@ fn token_string(value: Option<&serde_json::Value>) -> String {
 impl ChatTemplate {
     /// Loads the template of a Hugging Face model folder; `Ok(None)` when it has none.
     pub fn load(model_dir: &Path) -> Result<Option<Self>, ChatTemplateError> {
-        let config: serde_json::Value =
-            match std::fs::read_to_string(model_dir.join("tokenizer_config.json")) {
-                Ok(text) => serde_json::from_str(&text)
-                    .map_err(|e| ChatTemplateError::Load(e.to_string()))?,
-                Err(_) => serde_json::Value::Null,
-            };
+        let config: serde_json::Value = match std::fs::read_to_string(model_dir.join("tokenizer_config.json")) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| ChatTemplateError::Load(e.to_string()))?,
+            Err(_) => serde_json::Value::Null,
+        };
         let source = match std::fs::read_to_string(model_dir.join("chat_template.jinja")) {
             Ok(source) => Some(source),
             Err(_) => match config.get("chat_template") {
@@ -86,11 +80,7 @@ impl ChatTemplate {
         .map(Some)
     }
 
-    pub fn new(
-        source: String,
-        bos_token: String,
-        eos_token: String,
-    ) -> Result<Self, ChatTemplateError> {
+    pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self, ChatTemplateError> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -109,11 +99,7 @@ impl ChatTemplate {
     }
 
     /// Renders a conversation into the prompt text the model was trained on.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, ChatTemplateError> {
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
         let mut flat = Vec::with_capacity(messages.len());
         for message in messages {
             let content = match &message.content {
@@ -136,10 +122,7 @@ impl ChatTemplate {
                 name: message.name.as_deref(),
             });
         }
-        let template = self
-            .env
-            .get_template("chat")
-            .expect("added at construction");
+        let template = self.env.get_template("chat").expect("added at construction");
         template
             .render(minijinja::context! {
                 messages => flat,
@@ -170,8 +153,7 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
 
     #[test]
     fn renders_chatml_with_python_string_methods() {
-        let template =
-            ChatTemplate::new(CHATML.into(), String::new(), "<|im_end|>".into()).expect("valid");
+        let template = ChatTemplate::new(CHATML.into(), String::new(), "<|im_end|>".into()).expect("valid");
         let prompt = template
             .render(
                 &[
@@ -191,16 +173,11 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
 
     #[test]
     fn raise_exception_becomes_an_error() {
-        let source = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with user') }}{% endif %}";
-        let template =
-            ChatTemplate::new(source.into(), String::new(), String::new()).expect("valid");
-        let error = template
-            .render(&[message("assistant", "x")], false)
-            .unwrap_err();
-        assert!(
-            error.to_string().contains("must start with user"),
-            "{error}"
-        );
+        let source =
+            "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with user') }}{% endif %}";
+        let template = ChatTemplate::new(source.into(), String::new(), String::new()).expect("valid");
+        let error = template.render(&[message("assistant", "x")], false).unwrap_err();
+        assert!(error.to_string().contains("must start with user"), "{error}");
     }
 
     #[test]
@@ -212,9 +189,7 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
         )
         .expect("valid");
         assert_eq!(
-            template
-                .render(&[message("user", "x")], false)
-                .expect("renders"),
+            template.render(&[message("user", "x")], false).expect("renders"),
             "<s>x</s>"
         );
     }

@@ -89,16 +89,10 @@ impl Config {
             args.max_input_tokens,
             args.max_total_tokens
         );
-        anyhow::ensure!(
-            args.max_batch_tokens > 0,
-            "--max-batch-tokens must be positive"
-        );
+        anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
         let served_model_name = args.served_model_name.unwrap_or_else(|| {
-            let name = args
-                .model_id
-                .file_name()
-                .unwrap_or(args.model_id.as_os_str());
+            let name = args.model_id.file_name().unwrap_or(args.model_id.as_os_str());
             name.to_string_lossy().into_owned()
         });
         Ok(Self {

@@ -7,6 +7,7 @@ mod config;
 mod engine;
 mod http;
 mod kv;
+mod metrics;
 mod scheduler;
 mod shard;
 mod text;
@@ -20,7 +21,7 @@ use tokio::sync::{mpsc, Semaphore};
 
 use crate::{
     config::{Args, Config},
-    engine::{EngineCore, EngineHandle, EngineStats},
+    engine::{EngineCore, EngineHandle},
     kv::BlockAllocator,
     scheduler::SchedulerConfig,
     shard::{pb, GrpcShards, ShardClient},
@@ -64,10 +65,7 @@ async fn main() -> anyhow::Result<()> {
     let allocator = BlockAllocator::new(warmup.num_blocks);
     let block_size = shard_info.block_size as usize;
     let num_usable_blocks = allocator.num_usable_blocks() as usize;
-    anyhow::ensure!(
-        num_usable_blocks > 0,
-        "the shards' KV pool has no usable block"
-    );
+    anyhow::ensure!(num_usable_blocks > 0, "the shards' KV pool has no usable block");
     // Admission leaves 1% of the pool (at least one block) for running sequences to grow into.
     let watermark_blocks = (num_usable_blocks / 100).max(1).min(num_usable_blocks - 1);
     tracing::info!(
@@ -83,7 +81,7 @@ async fn main() -> anyhow::Result<()> {
         block_size,
         watermark_blocks,
     };
-    let stats = Arc::new(EngineStats::default());
+    let metrics = Arc::new(metrics::Metrics::new());
     let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
     let eos_token_ids: HashSet<u32> = shard_info.eos_token_ids.iter().copied().collect();
     let core = EngineCore::new(
@@ -93,7 +91,7 @@ async fn main() -> anyhow::Result<()> {
         scheduler_config,
         allocator,
         inbox_rx,
-        stats.clone(),
+        metrics.clone(),
     );
     tokio::spawn(core.run());
 
@@ -104,16 +102,9 @@ async fn main() -> anyhow::Result<()> {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 422");
     }
     let state = http::AppState {
-        engine: EngineHandle::new(inbox_tx, stats),
-        validator: Validator::new(
-            tokenizer,
-            config.limits.clone(),
-            shard_info.vocab_size,
-            max_kv_tokens,
-        ),
-        admission: Arc::new(Semaphore::new(
-            config.limits.max_concurrent_requests as usize,
-        )),
+        engine: EngineHandle::new(inbox_tx, metrics),
+        validator: Validator::new(tokenizer, config.limits.clone(), shard_info.vocab_size, max_kv_tokens),
+        admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
         chat_template,
         model_id: config.model_id.display().to_string(),
         served_model_name: config.served_model_name.clone(),
@@ -122,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
             .map(|d| d.as_secs())
             .unwrap_or_default(),
         shard_info,
+        shards,
         limits: config.limits.clone(),
         batch: config.batch.clone(),
     };

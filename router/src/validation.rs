@@ -95,11 +95,7 @@ pub struct GenerateInput {
 
 impl GenerateInput {
     /// Greedy decoding of `prompt` with every option at its default; the field names are the API's.
-    pub fn new(
-        prompt: Prompt,
-        prompt_field: &'static str,
-        max_new_tokens_field: &'static str,
-    ) -> Self {
+    pub fn new(prompt: Prompt, prompt_field: &'static str, max_new_tokens_field: &'static str) -> Self {
         Self {
             prompt,
             prompt_field,
@@ -147,9 +143,7 @@ pub struct ValidSampling {
 impl ValidSampling {
     /// Whether the shard needs the sequence's token history (for a penalty).
     pub fn has_penalty(&self) -> bool {
-        self.repetition_penalty != 1.0
-            || self.frequency_penalty != 0.0
-            || self.presence_penalty != 0.0
+        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
     }
 }
 
@@ -192,12 +186,7 @@ fn check(
 }
 
 impl Validator {
-    pub fn new(
-        tokenizer: Arc<Tokenizer>,
-        limits: LimitsConfig,
-        vocab_size: u32,
-        max_kv_tokens: usize,
-    ) -> Self {
+    pub fn new(tokenizer: Arc<Tokenizer>, limits: LimitsConfig, vocab_size: u32, max_kv_tokens: usize) -> Self {
         Self {
             tokenizer,
             limits,
@@ -241,11 +230,7 @@ impl Validator {
         self.validate_tokens(prompt_ids, input)
     }
 
-    fn validate_tokens(
-        &self,
-        mut prompt_ids: Vec<u32>,
-        input: GenerateInput,
-    ) -> Result<ValidRequest, ValidationError> {
+    fn validate_tokens(&self, mut prompt_ids: Vec<u32>, input: GenerateInput) -> Result<ValidRequest, ValidationError> {
         let limits = &self.limits;
         if let Some(truncate) = input.truncate {
             check(truncate > 0, "truncate", "> 0", truncate)?;
@@ -320,29 +305,12 @@ impl Validator {
         }
         for (&id, &bias) in &input.logit_bias {
             if id >= self.vocab_size {
-                return Err(ValidationError::TokenOutOfVocab(
-                    id,
-                    "logit_bias",
-                    self.vocab_size,
-                ));
+                return Err(ValidationError::TokenOutOfVocab(id, "logit_bias", self.vocab_size));
             }
-            check(
-                (-100.0..=100.0).contains(&bias),
-                "logit_bias",
-                "in [-100, 100]",
-                bias,
-            )?;
+            check((-100.0..=100.0).contains(&bias), "logit_bias", "in [-100, 100]", bias)?;
         }
-        if let Some(&id) = input
-            .stop_token_ids
-            .iter()
-            .find(|&&id| id >= self.vocab_size)
-        {
-            return Err(ValidationError::TokenOutOfVocab(
-                id,
-                "stop_token_ids",
-                self.vocab_size,
-            ));
+        if let Some(&id) = input.stop_token_ids.iter().find(|&&id| id >= self.vocab_size) {
+            return Err(ValidationError::TokenOutOfVocab(id, "stop_token_ids", self.vocab_size));
         }
         check(
             input.top_n_tokens <= MAX_TOP_N_TOKENS,
@@ -421,10 +389,7 @@ mod tests {
         input
     }
 
-    fn check_input(
-        num_prompt_tokens: usize,
-        input: GenerateInput,
-    ) -> Result<ValidRequest, ValidationError> {
+    fn check_input(num_prompt_tokens: usize, input: GenerateInput) -> Result<ValidRequest, ValidationError> {
         validator().validate_tokens(vec![1; num_prompt_tokens], input)
     }
 
@@ -448,9 +413,7 @@ mod tests {
         ));
         let error = check_input(9, input(|i| i.max_new_tokens = Some(8))).unwrap_err();
         assert!(matches!(error, ValidationError::ExceedsKvPool(17, 16, _)));
-        let error = validator()
-            .validate_tokens(vec![1, 500], input(|_| {}))
-            .unwrap_err();
+        let error = validator().validate_tokens(vec![1, 500], input(|_| {})).unwrap_err();
         assert!(error.to_string().contains("token id 500"));
     }
 

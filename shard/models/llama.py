@@ -16,7 +16,7 @@ from torch import nn
 
 from shard.layers.attention import PagedAttention
 from shard.layers.embedding import Embedding, LMHead
-from shard.layers.linear import FusedLinear, Linear
+from shard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from shard.layers.norm import RMSNorm
 from shard.layers.rotary import RotaryEmbedding
 
@@ -77,14 +77,19 @@ class LlamaConfig:
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_id: int) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=config.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        # This rank's share of the heads (all of them on a single shard).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias
+        )
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
         self.attn = PagedAttention(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
@@ -106,8 +111,10 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (supported: silu)")
         size = config.intermediate_size
-        self.gate_up_proj = FusedLinear(config.hidden_size, {0: size, 1: size}, bias=config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, {0: size, 1: size}, bias=config.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(hidden))
@@ -165,7 +172,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads this model instance holds (its rank's share under tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

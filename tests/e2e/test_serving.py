@@ -66,7 +66,10 @@ def hf_greedy(hf_model, prompt: str, max_new_tokens: int) -> list[int]:
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         output = model.generate(
-            input_ids, max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids)
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones_like(input_ids),
         )
     return output[0, input_ids.shape[1]:].tolist()
 
@@ -81,7 +84,8 @@ def test_greedy_matches_transformers(server: Server, hf_model) -> None:
 def test_chunked_prefill_matches_transformers(server: Server, hf_model) -> None:
     # The server runs with --max-batch-tokens 256: this ~700-token prompt is prefilled in three chunks.
     _, tokenizer = hf_model
-    prompt = " ".join(f"Item {i} is a {random.Random(i).choice(['red', 'green', 'blue'])} box." for i in range(90))
+    colors = ["red", "green", "blue"]
+    prompt = " ".join(f"Item {i} is a {random.Random(i).choice(colors)} box." for i in range(90))
     prompt += " The last item is a"
     assert len(tokenizer(prompt).input_ids) > 600
     result = generate(server, prompt, max_new_tokens=12)
@@ -101,12 +105,12 @@ def test_batching_changes_nothing(server: Server, hf_model) -> None:
     _, tokenizer = hf_model
     prompts = prompts_of_many_lengths(tokenizer, 24, 1000)
     max_new = [1 + (7 * i) % 16 for i in range(len(prompts))]
-    alone = [token_ids(generate(server, p, max_new_tokens=n)) for p, n in zip(prompts, max_new)]
+    alone = [token_ids(generate(server, p, max_new_tokens=n)) for p, n in zip(prompts, max_new, strict=True)]
     server.wait_idle()
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda pn: token_ids(generate(server, pn[0], max_new_tokens=pn[1])),
-                                 zip(prompts, max_new)))
-    for i, (a, b) in enumerate(zip(alone, together)):
+                                 zip(prompts, max_new, strict=True)))
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
         assert a == b, f"prompt {i} ({len(tokenizer(prompts[i]).input_ids)} tokens): alone {a} != batched {b}"
     info = server.wait_idle()
     assert info["kv"]["used_blocks"] == 0
@@ -150,7 +154,7 @@ def test_short_request_overtakes_a_long_one(server: Server) -> None:
     long_thread.join()
     events = long_result["events"]
     assert isinstance(events, list)
-    assert events[-1]["details"]["finish_reason"] == "length", "the long request ended early; pick another prompt"
+    assert events[-1]["details"]["finish_reason"] == "length", "the long request ended early"
     assert short["details"]["generated_tokens"] == 4
     assert short_finished < long_result["finished"]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import chunk, logits_of
 
 from shard.layers import attention
 from shard.runner import ModelRunner
+
+from .conftest import chunk, logits_of
 
 PROMPT = [(7 * i + 3) % 300 for i in range(41)]
 OTHER = [(11 * i + 5) % 300 for i in range(23)]

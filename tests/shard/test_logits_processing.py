@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from .conftest import chunk, hf_model, logits_of
 from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TypicalLogitsWarper
 
 from shard.batch import BatchLimits, BatchState, ForwardRequest
@@ -26,6 +25,8 @@ from shard.sampling import (
     sample,
     warp_logits,
 )
+
+from .conftest import chunk, hf_model, logits_of
 
 CPU = torch.device("cpu")
 VOCAB = 40

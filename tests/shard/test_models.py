@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from .conftest import chunk, hf_model, logits_of, make_runner, rewrite_config_transformers4, save_tiny_model
 
 from shard.layers.attention import ForwardContext, forward_context
 from shard.runner import ModelRunner
+
+from .conftest import chunk, hf_model, logits_of, make_runner, rewrite_config_transformers4, save_tiny_model
 
 PROMPT = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11, 12, 13, 200]
 

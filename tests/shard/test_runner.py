@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from .conftest import chunk, hf_model, make_runner
 
 from shard import runner as runner_module
 from shard.batch import ForwardRequest
 from shard.config import ShardConfig
 from shard.runner import ModelRunner, NotReadyError
+
+from .conftest import chunk, hf_model, make_runner
 
 
 def hf_greedy(path: Path, prompt: list[int], num_new_tokens: int) -> list[int]:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from .conftest import save_tiny_model
-from .test_runner import hf_greedy
 
 from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
+
+from .conftest import save_tiny_model
+from .test_runner import hf_greedy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 4

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from .conftest import chunk, make_runner, save_tiny_model
 
 from shard import distributed
 from shard.batch import ForwardRequest
 from shard.config import ShardConfig
 from shard.models.llama import LlamaConfig, LlamaForCausalLM
 from shard.runner import ModelRunner
+
+from .conftest import chunk, make_runner, save_tiny_model
 
 TIMEOUT_S = 300
 

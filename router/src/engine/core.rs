@@ -4,7 +4,7 @@
 
 use std::{
     collections::{HashSet, VecDeque},
-    sync::{atomic::Ordering, Arc},
+    sync::Arc,
 };
 
 use tokenizers::Tokenizer;
@@ -12,10 +12,11 @@ use tokio::sync::mpsc;
 
 use super::{
     request::{Sequence, TokenOutcome},
-    EngineError, EngineStats, NewRequest, RequestId,
+    EngineError, NewRequest, RequestId,
 };
 use crate::{
     kv::BlockAllocator,
+    metrics::{Metrics, Outcome},
     scheduler::{schedule, SchedulerConfig, StepPlan},
     shard::{pb, ShardClient},
 };
@@ -31,7 +32,7 @@ pub struct EngineCore {
     /// Sequences the shards hold state for that are gone since the last call; sent with the next call.
     released_ids: Vec<u64>,
     inbox: mpsc::UnboundedReceiver<NewRequest>,
-    stats: Arc<EngineStats>,
+    metrics: Arc<Metrics>,
 }
 
 impl EngineCore {
@@ -42,7 +43,7 @@ impl EngineCore {
         config: SchedulerConfig,
         allocator: BlockAllocator,
         inbox: mpsc::UnboundedReceiver<NewRequest>,
-        stats: Arc<EngineStats>,
+        metrics: Arc<Metrics>,
     ) -> Self {
         let core = Self {
             shards,
@@ -54,7 +55,7 @@ impl EngineCore {
             running: Vec::new(),
             released_ids: Vec::new(),
             inbox,
-            stats,
+            metrics,
         };
         core.publish_stats();
         core
@@ -74,6 +75,7 @@ impl EngineCore {
             }
             self.drop_cancelled();
             if self.waiting.is_empty() && self.running.is_empty() {
+                self.publish_stats();
                 continue;
             }
             self.step().await;
@@ -99,9 +101,7 @@ impl EngineCore {
             // Nothing can run although the pool is as empty as it gets: the queue head can never fit.
             if self.running.is_empty() {
                 if let Some(seq) = self.waiting.pop_front() {
-                    seq.fail(EngineError::Shard(
-                        "the request does not fit the KV pool".into(),
-                    ));
+                    seq.fail(EngineError::Shard("the request does not fit the KV pool".into()));
                 }
             }
             return;
@@ -116,9 +116,13 @@ impl EngineCore {
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "step"
         );
-        self.stats.num_steps.fetch_add(1, Ordering::Relaxed);
+        self.metrics.step_tokens.observe(plan.num_scheduled_tokens() as f64);
+        self.metrics.step_duration.observe(started.elapsed().as_secs_f64());
         match result {
-            Ok(response) => self.apply_outputs(&plan, response),
+            Ok(response) => {
+                self.metrics.mark_progress();
+                self.apply_outputs(&plan, response)
+            }
             Err(e) => self.fail_all(e.to_string()).await,
         }
     }
@@ -129,15 +133,21 @@ impl EngineCore {
             let i = self.running_index(id);
             let mut seq = self.running.remove(i);
             tracing::info!(request_id = %id, "preempted: KV pool full; it will be recomputed");
+            self.metrics.preemptions.inc();
             self.release(&mut seq);
             self.waiting.push_front(seq);
         }
         for &id in &plan.admitted {
-            let seq = self
+            let mut seq = self
                 .waiting
                 .pop_front()
                 .expect("admitted requests are the head of the queue");
             debug_assert_eq!(seq.id, id);
+            if seq.admitted_at.is_none() {
+                let now = std::time::Instant::now();
+                self.metrics.queue_time.observe((now - seq.arrived_at).as_secs_f64());
+                seq.admitted_at = Some(now);
+            }
             self.running.push(seq);
         }
         let mut chunks = Vec::with_capacity(plan.scheduled.len());
@@ -154,9 +164,7 @@ impl EngineCore {
                 .num_prompt_tokens
                 .saturating_sub(start)
                 .min(scheduled.num_scheduled_tokens);
-            self.stats
-                .num_prompt_tokens_computed
-                .fetch_add(num_prompt_tokens as u64, Ordering::Relaxed);
+            self.metrics.prompt_tokens_computed.inc_by(num_prompt_tokens as u64);
             chunks.push(seq.chunk(scheduled.num_scheduled_tokens, &self.eos_token_ids));
         }
         pb::ForwardRequest {
@@ -175,21 +183,35 @@ impl EngineCore {
             }
         }
         for generation in &response.generations {
-            let Some(i) = self
-                .running
-                .iter()
-                .position(|seq| seq.id.0 == generation.id)
-            else {
+            let Some(i) = self.running.iter().position(|seq| seq.id.0 == generation.id) else {
                 tracing::error!(
                     id = generation.id,
                     "a shard returned a token for a sequence not in the step"
                 );
                 continue;
             };
-            let outcome =
-                self.running[i].append_token(&self.tokenizer, &self.eos_token_ids, generation);
-            if let TokenOutcome::Finished = outcome {
+            let seq = &mut self.running[i];
+            let now = std::time::Instant::now();
+            match seq.last_token_at {
+                None => self
+                    .metrics
+                    .time_to_first_token
+                    .observe((now - seq.arrived_at).as_secs_f64()),
+                Some(last) => self.metrics.inter_token_latency.observe((now - last).as_secs_f64()),
+            }
+            seq.last_token_at = Some(now);
+            self.metrics.generated_tokens.inc();
+            let outcome = seq.append_token(&self.tokenizer, &self.eos_token_ids, generation);
+            if let TokenOutcome::Finished | TokenOutcome::Failed = outcome {
                 let mut seq = self.running.remove(i);
+                if let TokenOutcome::Finished = outcome {
+                    self.metrics.count_request(Outcome::Success);
+                    self.metrics
+                        .end_to_end_latency
+                        .observe((now - seq.arrived_at).as_secs_f64());
+                } else {
+                    self.metrics.count_request(Outcome::Failed);
+                }
                 self.release(&mut seq);
             }
         }
@@ -230,6 +252,8 @@ impl EngineCore {
         }
         for mut seq in cancelled {
             tracing::info!(request_id = %seq.id, "cancelled: the client went away");
+            self.metrics.count_request(Outcome::Cancelled);
+            self.metrics.cancelled_tokens.inc_by(seq.token_ids.len() as u64);
             self.release(&mut seq);
             let mut forks = std::mem::take(&mut seq.forks);
             if !forks.is_empty() {
@@ -257,6 +281,9 @@ impl EngineCore {
         tracing::error!(%message, "forward pass failed; failing the running requests");
         for mut seq in std::mem::take(&mut self.running) {
             seq.fail(EngineError::Shard(message.clone()));
+            for _ in 0..=seq.forks.len() {
+                self.metrics.count_request(Outcome::Failed);
+            }
             self.release(&mut seq);
         }
         self.released_ids.clear();
@@ -273,18 +300,12 @@ impl EngineCore {
     }
 
     fn publish_stats(&self) {
-        let stats = &self.stats;
-        stats
-            .num_total_blocks
-            .store(self.allocator.num_usable_blocks(), Ordering::Relaxed);
-        stats
-            .num_free_blocks
-            .store(self.allocator.num_free_blocks(), Ordering::Relaxed);
-        stats
-            .num_waiting
-            .store(self.waiting.len() as u32, Ordering::Relaxed);
-        stats
-            .num_running
-            .store(self.running.len() as u32, Ordering::Relaxed);
+        let metrics = &self.metrics;
+        metrics
+            .kv_blocks_total
+            .set(i64::from(self.allocator.num_usable_blocks()));
+        metrics.kv_blocks_free.set(i64::from(self.allocator.num_free_blocks()));
+        metrics.queue_depth.set(self.waiting.len() as i64);
+        metrics.running_sequences.set(self.running.len() as i64);
     }
 }

@@ -6,7 +6,7 @@ mod core;
 mod request;
 
 use std::sync::{
-    atomic::{AtomicU32, AtomicU64, Ordering},
+    atomic::{AtomicU64, Ordering},
     Arc,
 };
 
@@ -14,7 +14,7 @@ use thiserror::Error;
 use tokio::sync::mpsc;
 
 pub use self::core::EngineCore;
-use crate::{api::FinishReason, validation::ValidRequest};
+use crate::{api::FinishReason, metrics::Metrics, validation::ValidRequest};
 
 /// A request's id, unique for the router's lifetime; it is also the sequence id the shards see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -75,43 +75,27 @@ pub struct NewRequest {
     pub forks: Vec<NewRequest>,
 }
 
-/// Counters the engine publishes after every step, read by `/info` and tests without a round trip.
-#[derive(Debug, Default)]
-pub struct EngineStats {
-    pub num_total_blocks: AtomicU32,
-    pub num_free_blocks: AtomicU32,
-    pub num_waiting: AtomicU32,
-    pub num_running: AtomicU32,
-    pub num_steps: AtomicU64,
-    /// Prompt tokens the shards computed (shared or cached prompt tokens are not counted).
-    pub num_prompt_tokens_computed: AtomicU64,
-}
-
 /// The handlers' side of the engine: cheap to clone.
 #[derive(Clone)]
 pub struct EngineHandle {
     inbox: mpsc::UnboundedSender<NewRequest>,
     next_id: Arc<AtomicU64>,
-    pub stats: Arc<EngineStats>,
+    pub metrics: Arc<Metrics>,
 }
 
 impl EngineHandle {
-    pub fn new(inbox: mpsc::UnboundedSender<NewRequest>, stats: Arc<EngineStats>) -> Self {
+    pub fn new(inbox: mpsc::UnboundedSender<NewRequest>, metrics: Arc<Metrics>) -> Self {
         Self {
             inbox,
             next_id: Arc::new(AtomicU64::new(1)),
-            stats,
+            metrics,
         }
     }
 
     /// Queues `n` choices of the same prompt; choice i samples with seed `seed + i`. The prompt is
     /// computed once and its KV blocks shared. Dropping a receiver cancels that choice: the engine
     /// notices within one iteration, tells the shards, and frees its blocks.
-    pub fn submit_n(
-        &self,
-        request: ValidRequest,
-        n: u32,
-    ) -> Result<Vec<EventReceiver>, EngineError> {
+    pub fn submit_n(&self, request: ValidRequest, n: u32) -> Result<Vec<EventReceiver>, EngineError> {
         let mut receivers = Vec::with_capacity(n as usize);
         let mut choices: Vec<NewRequest> = (0..n.max(1))
             .map(|i| {

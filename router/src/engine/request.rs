@@ -1,7 +1,7 @@
 //! One sequence's state inside the engine: its tokens, its KV blocks, and its text pipeline
 //! (incremental detokenization, then the stop-sequence hold-back).
 
-use std::collections::HashSet;
+use std::{collections::HashSet, time::Instant};
 
 use tokenizers::Tokenizer;
 
@@ -29,6 +29,12 @@ pub struct Sequence {
     pub is_known_to_shards: bool,
     /// Choices of the same prompt waiting for this sequence's prompt to be computed.
     pub forks: Vec<NewRequest>,
+    /// When the request reached the engine.
+    pub arrived_at: Instant,
+    /// When it was first admitted (it may be admitted again after a preemption).
+    pub admitted_at: Option<Instant>,
+    /// When its latest token was sampled.
+    pub last_token_at: Option<Instant>,
     request: ValidRequest,
     events: EventSender,
     detokenizer: IncrementalDetokenizer,
@@ -39,7 +45,10 @@ pub struct Sequence {
 /// What applying a sampled token did to a sequence.
 pub enum TokenOutcome {
     Continue,
+    /// Generation ended normally; the last event went out.
     Finished,
+    /// Its text could not be produced; an error event went out.
+    Failed,
 }
 
 impl Sequence {
@@ -59,10 +68,10 @@ impl Sequence {
             blocks: Vec::new(),
             is_known_to_shards: false,
             forks,
-            detokenizer: IncrementalDetokenizer::new(
-                &request.prompt_ids,
-                request.skip_special_tokens,
-            ),
+            arrived_at: Instant::now(),
+            admitted_at: None,
+            last_token_at: None,
+            detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, request.skip_special_tokens),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),
             request,
@@ -224,7 +233,7 @@ impl Sequence {
 
     fn fail_text(&self, error: DetokenizeError) -> TokenOutcome {
         self.fail(EngineError::Detokenize(error.to_string()));
-        TokenOutcome::Finished
+        TokenOutcome::Failed
     }
 
     /// Ends the request (and the choices waiting on it) with an error event.

@@ -57,9 +57,7 @@ impl ApiError {
             ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Engine(EngineError::Closed) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Engine(EngineError::Shard(_) | EngineError::Detokenize(_)) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            ApiError::Engine(EngineError::Shard(_) | EngineError::Detokenize(_)) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 

@@ -24,7 +24,8 @@ use crate::{
     chat_template::{ChatTemplate, ChatTemplateError},
     config::{BatchConfig, LimitsConfig},
     engine::{EndEvent, EngineError, EngineHandle, EventReceiver, TokenEvent},
-    shard::pb,
+    metrics::Outcome,
+    shard::{pb, ShardClient},
     validation::{GenerateInput, ValidRequest, Validator},
 };
 
@@ -42,6 +43,7 @@ pub struct AppState {
     /// Unix time the server started, in seconds.
     pub started_at: u64,
     pub shard_info: pb::InfoResponse,
+    pub shards: Arc<dyn ShardClient>,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
 }
@@ -90,6 +92,8 @@ pub fn app(state: AppState) -> Router {
         .route("/tokenize", post(service::tokenize))
         .route("/detokenize", post(service::detokenize))
         .route("/health", get(service::health))
+        .route("/ready", get(service::ready))
+        .route("/metrics", get(service::metrics))
         .route("/info", get(service::info))
         .route("/openapi.json", get(service::openapi))
         .route("/docs", get(service::docs))
@@ -108,7 +112,10 @@ fn acquire(state: &AppState, num_sequences: u32) -> Result<OwnedSemaphorePermit,
         .admission
         .clone()
         .try_acquire_many_owned(num_sequences)
-        .map_err(|_| ApiError::Overloaded(max))
+        .map_err(|_| {
+            state.engine.metrics.count_request(Outcome::Overloaded);
+            ApiError::Overloaded(max)
+        })
 }
 
 /// Validates and queues `n` choices of one prompt.
@@ -117,7 +124,9 @@ async fn submit(
     input: GenerateInput,
     n: u32,
 ) -> Result<(ValidRequest, Vec<EventReceiver>), ApiError> {
-    let valid = state.validator.validate(input).await?;
+    let valid = state.validator.validate(input).await.inspect_err(|_| {
+        state.engine.metrics.count_request(Outcome::Invalid);
+    })?;
     let receivers = state.engine.submit_n(valid.clone(), n)?;
     Ok((valid, receivers))
 }

@@ -15,8 +15,8 @@ use futures::Stream;
 use super::{acquire, collect, submit, ApiError, AppState};
 use crate::{
     api::{
-        Details, ErrorResponse, GenerateParameters, GenerateRequest, GenerateResponse,
-        StreamDetails, StreamResponse, Token, TopToken,
+        Details, ErrorResponse, GenerateParameters, GenerateRequest, GenerateResponse, StreamDetails, StreamResponse,
+        Token, TopToken,
     },
     engine::TokenEvent,
     validation::{GenerateInput, Prompt},
@@ -30,10 +30,7 @@ fn unsupported(param: &str, message: &str) -> ApiError {
 }
 
 /// Maps the TGI parameters onto the shared `GenerateInput`.
-fn generate_input(
-    inputs: String,
-    parameters: GenerateParameters,
-) -> Result<GenerateInput, ApiError> {
+fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<GenerateInput, ApiError> {
     if parameters.best_of.is_some_and(|n| n > 1) {
         return Err(unsupported("best_of", "> 1 is not supported"));
     }
@@ -47,10 +44,7 @@ fn generate_input(
         return Err(unsupported("grammar", "is not supported"));
     }
     if parameters.adapter_id.is_some() {
-        return Err(unsupported(
-            "adapter_id",
-            "is not supported: Rill serves one model",
-        ));
+        return Err(unsupported("adapter_id", "is not supported: Rill serves one model"));
     }
     let mut input = GenerateInput::new(
         Prompt::Text {
@@ -107,10 +101,7 @@ pub async fn generate(
 ) -> Result<Json<GenerateResponse>, ApiError> {
     let _permit = acquire(&state, 1)?;
     let Json(request) = body?;
-    let prefix = request
-        .parameters
-        .return_full_text
-        .then(|| request.inputs.clone());
+    let prefix = request.parameters.return_full_text.then(|| request.inputs.clone());
     let details = request.parameters.details;
     let input = generate_input(request.inputs, request.parameters)?;
     let (valid, mut receivers) = submit(&state, input, 1).await?;
@@ -123,11 +114,7 @@ pub async fn generate(
         cached_tokens: finished.end.num_cached_tokens,
         tokens: finished.tokens.iter().map(token).collect(),
         top_tokens: if valid.top_n_tokens > 0 {
-            finished
-                .tokens
-                .iter()
-                .map(|e| top_tokens(&state, e))
-                .collect()
+            finished.tokens.iter().map(|e| top_tokens(&state, e)).collect()
         } else {
             Vec::new()
         },
@@ -148,10 +135,7 @@ pub async fn generate_stream(
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let permit = acquire(&state, 1)?;
     let Json(request) = body?;
-    let prefix = request
-        .parameters
-        .return_full_text
-        .then(|| request.inputs.clone());
+    let prefix = request.parameters.return_full_text.then(|| request.inputs.clone());
     let input = generate_input(request.inputs, request.parameters)?;
     let (valid, mut receivers) = submit(&state, input, 1).await?;
     let mut events = receivers.pop().expect("one choice");
@@ -196,14 +180,9 @@ pub async fn generate_stream(
 /// TGI's compatibility route: `/generate_stream` when the body says `"stream": true`, else `/generate`.
 #[utoipa::path(post, path = "/", tag = "native", request_body = GenerateRequest,
     responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse)))]
-pub async fn compat(
-    State(state): State<AppState>,
-    body: Result<Json<GenerateRequest>, JsonRejection>,
-) -> Response {
+pub async fn compat(State(state): State<AppState>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
     match &body {
-        Ok(Json(request)) if request.stream => {
-            generate_stream(State(state), body).await.into_response()
-        }
+        Ok(Json(request)) if request.stream => generate_stream(State(state), body).await.into_response(),
         _ => generate(State(state), body).await.into_response(),
     }
 }

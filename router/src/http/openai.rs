@@ -22,10 +22,9 @@ use super::{acquire, collect, error::OpenAiError, submit, ApiError, AppState, Fi
 use crate::{
     api::{
         openai::{
-            AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-            ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatLogprobs,
-            CompletionChoice, CompletionLogprobs, CompletionPrompt, CompletionRequest,
-            CompletionResponse, ErrorResponse, Model, ModelList, PromptTokensDetails,
+            AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+            ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionPrompt,
+            CompletionRequest, CompletionResponse, ErrorResponse, Model, ModelList, PromptTokensDetails,
             SamplingFields, TokenLogprob, TopLogprob, UnknownFields, Usage,
         },
         FinishReason,
@@ -53,10 +52,9 @@ fn finish_reason(reason: FinishReason) -> &'static str {
 
 fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
-        Some(model) if *model != state.served_model_name => Err(ApiError::ModelNotFound(
-            model.clone(),
-            state.served_model_name.clone(),
-        )),
+        Some(model) if *model != state.served_model_name => {
+            Err(ApiError::ModelNotFound(model.clone(), state.served_model_name.clone()))
+        }
         _ => Ok(()),
     }
 }
@@ -66,11 +64,7 @@ fn check_unknown(unknown: &UnknownFields) -> Result<(), ApiError> {
         Some(field) => Err(ApiError::Unsupported {
             message: format!(
                 "unknown or unsupported field(s): {}",
-                unknown
-                    .keys()
-                    .map(|k| format!("`{k}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                unknown.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
             ),
             param: field.clone(),
         }),
@@ -80,14 +74,12 @@ fn check_unknown(unknown: &UnknownFields) -> Result<(), ApiError> {
 
 /// Maps the OpenAI sampling fields onto the shared `GenerateInput`.
 fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<u32, ApiError> {
+    // OpenAI samples by default (temperature 1); `temperature: 0` asks for greedy decoding.
+    input.do_sample = true;
     input.temperature = fields.temperature;
     input.top_p = fields.top_p;
     input.seed = fields.seed;
-    input.stop = fields
-        .stop
-        .clone()
-        .map(|s| s.into_vec())
-        .unwrap_or_default();
+    input.stop = fields.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     input.presence_penalty = fields.presence_penalty;
     input.frequency_penalty = fields.frequency_penalty;
     input.repetition_penalty = fields.repetition_penalty;
@@ -95,14 +87,7 @@ fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<
     input.top_k = match fields.top_k {
         None | Some(-1) | Some(0) => None,
         Some(k) if k > 0 => Some(u32::try_from(k).unwrap_or(u32::MAX)),
-        Some(k) => {
-            return Err(ValidationError::OutOfRange(
-                "top_k",
-                "> 0, or -1 for no limit",
-                k.to_string(),
-            )
-            .into())
-        }
+        Some(k) => return Err(ValidationError::OutOfRange("top_k", "> 0, or -1 for no limit", k.to_string()).into()),
     };
     input.min_new_tokens = fields.min_tokens.unwrap_or(0);
     input.ignore_eos = fields.ignore_eos;
@@ -110,13 +95,9 @@ fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<
     input.skip_special_tokens = fields.skip_special_tokens.unwrap_or(true);
     if let Some(bias) = &fields.logit_bias {
         for (key, &value) in bias {
-            let id: u32 = key.parse().map_err(|_| {
-                ValidationError::OutOfRange(
-                    "logit_bias",
-                    "keyed by token ids",
-                    format!("key {key:?}"),
-                )
-            })?;
+            let id: u32 = key
+                .parse()
+                .map_err(|_| ValidationError::OutOfRange("logit_bias", "keyed by token ids", format!("key {key:?}")))?;
             input.logit_bias.insert(id, value);
         }
     }
@@ -141,8 +122,7 @@ fn usage(prompts: &[(u32, u32)], choices: &[Finished]) -> Usage {
 }
 
 /// Streams several choices as one: each event tagged with its choice index.
-type ChoiceStream =
-    SelectAll<futures::stream::BoxStream<'static, (u32, Result<TokenEvent, EngineError>)>>;
+type ChoiceStream = SelectAll<futures::stream::BoxStream<'static, (u32, Result<TokenEvent, EngineError>)>>;
 
 fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
     futures::stream::select_all(receivers.into_iter().enumerate().map(|(index, rx)| {
@@ -182,9 +162,7 @@ impl StreamUsage {
 }
 
 fn sse_json(value: impl serde::Serialize) -> Result<Event, Infallible> {
-    Ok(Event::default()
-        .json_data(value)
-        .expect("responses serialize"))
+    Ok(Event::default().json_data(value).expect("responses serialize"))
 }
 
 fn sse_error(error: EngineError) -> Result<Event, Infallible> {
@@ -274,26 +252,25 @@ pub async fn completions(
     let model = state.served_model_name.clone();
     let created = now();
     let wants_logprobs = request.logprobs.is_some();
-    let completion_logprobs =
-        |state: &AppState, tokens: &[TokenEvent], offset: usize| -> CompletionLogprobs {
-            let mut logprobs = CompletionLogprobs::default();
-            let mut text_offset = offset;
-            for event in tokens {
-                let text = state.token_text(event.token_id);
-                logprobs.text_offset.push(text_offset);
-                text_offset += event.text.len();
-                logprobs.tokens.push(text);
-                logprobs.token_logprobs.push(Some(event.logprob));
-                logprobs.top_logprobs.push(Some(
-                    event
-                        .top_logprobs
-                        .iter()
-                        .map(|&(tid, lp)| (state.token_text(tid), serde_json::json!(lp)))
-                        .collect(),
-                ));
-            }
-            logprobs
-        };
+    let completion_logprobs = |state: &AppState, tokens: &[TokenEvent], offset: usize| -> CompletionLogprobs {
+        let mut logprobs = CompletionLogprobs::default();
+        let mut text_offset = offset;
+        for event in tokens {
+            let text = state.token_text(event.token_id);
+            logprobs.text_offset.push(text_offset);
+            text_offset += event.text.len();
+            logprobs.tokens.push(text);
+            logprobs.token_logprobs.push(Some(event.logprob));
+            logprobs.top_logprobs.push(Some(
+                event
+                    .top_logprobs
+                    .iter()
+                    .map(|&(tid, lp)| (state.token_text(tid), serde_json::json!(lp)))
+                    .collect(),
+            ));
+        }
+        logprobs
+    };
 
     if !request.sampling.stream.unwrap_or(false) {
         let _permit = permit;
@@ -303,12 +280,7 @@ pub async fn completions(
         }
         let prompts: Vec<(u32, u32)> = finished
             .chunks(n as usize)
-            .map(|group| {
-                (
-                    group[0].end.num_prompt_tokens,
-                    group[0].end.num_cached_tokens,
-                )
-            })
+            .map(|group| (group[0].end.num_prompt_tokens, group[0].end.num_cached_tokens))
             .collect();
         let choices = finished
             .iter()
@@ -318,8 +290,7 @@ pub async fn completions(
                 CompletionChoice {
                     index: index as u32,
                     text: format!("{echo}{}", choice.end.generated_text),
-                    logprobs: wants_logprobs
-                        .then(|| completion_logprobs(&state, &choice.tokens, echo.len())),
+                    logprobs: wants_logprobs.then(|| completion_logprobs(&state, &choice.tokens, echo.len())),
                     finish_reason: Some(finish_reason(choice.end.finish_reason)),
                 }
             })
@@ -336,10 +307,7 @@ pub async fn completions(
         .into_response());
     }
 
-    let include_usage = request
-        .sampling
-        .stream_options
-        .is_some_and(|o| o.include_usage);
+    let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
     let mut events = merge(receivers);
     let stream = async_stream::stream! {
         let _permit = permit;
@@ -376,9 +344,7 @@ pub async fn completions(
         }
         yield Ok(Event::default().data("[DONE]"));
     };
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
 }
 
 fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
@@ -424,10 +390,7 @@ pub async fn chat_completions(
     if request.messages.is_empty() {
         return Err(ValidationError::EmptyInput("messages").into());
     }
-    let prompt = state.render_chat(
-        &request.messages,
-        request.add_generation_prompt.unwrap_or(true),
-    )?;
+    let prompt = state.render_chat(&request.messages, request.add_generation_prompt.unwrap_or(true))?;
     // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
     let mut input = GenerateInput::new(
         Prompt::Text {
@@ -439,12 +402,9 @@ pub async fn chat_completions(
     );
     input.max_new_tokens = request.max_completion_tokens.or(request.max_tokens);
     if request.top_logprobs.is_some() && !request.logprobs {
-        return Err(ValidationError::OutOfRange(
-            "top_logprobs",
-            "used with `logprobs: true`",
-            "without it".into(),
-        )
-        .into());
+        return Err(
+            ValidationError::OutOfRange("top_logprobs", "used with `logprobs: true`", "without it".into()).into(),
+        );
     }
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
@@ -461,10 +421,7 @@ pub async fn chat_completions(
         for rx in receivers {
             finished.push(collect(rx).await?);
         }
-        let prompts = [(
-            finished[0].end.num_prompt_tokens,
-            finished[0].end.num_cached_tokens,
-        )];
+        let prompts = [(finished[0].end.num_prompt_tokens, finished[0].end.num_cached_tokens)];
         let choices = finished
             .iter()
             .enumerate()
@@ -490,10 +447,7 @@ pub async fn chat_completions(
         .into_response());
     }
 
-    let include_usage = request
-        .sampling
-        .stream_options
-        .is_some_and(|o| o.include_usage);
+    let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
     let mut events = merge(receivers);
     let stream = async_stream::stream! {
         let _permit = permit;
@@ -527,9 +481,7 @@ pub async fn chat_completions(
         }
         yield Ok(Event::default().data("[DONE]"));
     };
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
 }
 
 /// A random 24-hex-digit id for responses.

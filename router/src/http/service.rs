@@ -1,7 +1,5 @@
 //! Service routes: health, info, tokenization, and the API's own description.
 
-use std::sync::atomic::Ordering;
-
 use axum::{
     extract::{rejection::JsonRejection, State},
     http::StatusCode,
@@ -12,8 +10,7 @@ use utoipa::OpenApi;
 
 use super::{ApiError, AppState};
 use crate::api::{
-    DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, TokenSpan, TokenizeRequest,
-    TokenizeResponse,
+    DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, TokenSpan, TokenizeRequest, TokenizeResponse,
 };
 
 /// Liveness: 200 while the router runs.
@@ -22,12 +19,53 @@ pub async fn health() -> Response {
     StatusCode::OK.into_response()
 }
 
+/// How long the engine may go without a successful forward pass while it has work, and still be ready.
+const MAX_STALL_MS: i64 = 60_000;
+
+/// Readiness: the shards answer and, whenever requests wait or run, the engine made forward progress
+/// within the last minute. 503 with the reason otherwise.
+#[utoipa::path(get, path = "/ready", tag = "service", responses((status = 200), (status = 503)))]
+pub async fn ready(State(state): State<AppState>) -> Response {
+    let not_ready = |reason: String| {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "not_ready", "reason": reason})),
+        )
+            .into_response()
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(2), state.shards.health()).await {
+        Err(_) => return not_ready("the shards did not answer a health check within 2 s".into()),
+        Ok(Err(e)) => return not_ready(e.to_string()),
+        Ok(Ok(())) => {}
+    }
+    let metrics = &state.engine.metrics;
+    let has_work = metrics.queue_depth.get() + metrics.running_sequences.get() > 0;
+    let stalled_ms = metrics.ms_since_progress(state.started_at as i64 * 1000);
+    if has_work && stalled_ms > MAX_STALL_MS {
+        return not_ready(format!(
+            "no forward progress for {} s while requests wait",
+            stalled_ms / 1000
+        ));
+    }
+    Json(serde_json::json!({"status": "ready"})).into_response()
+}
+
+/// Prometheus metrics.
+#[utoipa::path(get, path = "/metrics", tag = "service", responses((status = 200, content_type = "text/plain")))]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.engine.metrics.render(),
+    )
+        .into_response()
+}
+
 /// The model, the limits, and the KV pool as the allocator sees it now.
 #[utoipa::path(get, path = "/info", tag = "service", responses((status = 200, body = Info)))]
 pub async fn info(State(state): State<AppState>) -> Json<Info> {
-    let stats = &state.engine.stats;
-    let total_blocks = stats.num_total_blocks.load(Ordering::Relaxed);
-    let free_blocks = stats.num_free_blocks.load(Ordering::Relaxed);
+    let metrics = &state.engine.metrics;
+    let total_blocks = metrics.kv_blocks_total.get() as u32;
+    let free_blocks = metrics.kv_blocks_free.get() as u32;
     Json(Info {
         model_id: state.model_id.clone(),
         served_model_name: state.served_model_name.clone(),
@@ -46,9 +84,9 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
             total_blocks,
             free_blocks,
             used_blocks: total_blocks - free_blocks,
-            waiting_requests: stats.num_waiting.load(Ordering::Relaxed),
-            running_requests: stats.num_running.load(Ordering::Relaxed),
-            prompt_tokens_computed: stats.num_prompt_tokens_computed.load(Ordering::Relaxed),
+            waiting_requests: metrics.queue_depth.get() as u32,
+            running_requests: metrics.running_sequences.get() as u32,
+            prompt_tokens_computed: metrics.prompt_tokens_computed.get(),
         },
         version: env!("CARGO_PKG_VERSION"),
     })
@@ -74,10 +112,7 @@ pub async fn tokenize(
             ))
         }
     };
-    let encoding = state
-        .validator
-        .tokenize(prompt.clone(), add_special_tokens)
-        .await?;
+    let encoding = state.validator.tokenize(prompt.clone(), add_special_tokens).await?;
     let tokens: Vec<TokenSpan> = encoding
         .get_ids()
         .iter()
@@ -107,9 +142,7 @@ pub async fn detokenize(
     let Json(request) = body?;
     let vocab_size = state.shard_info.vocab_size;
     if let Some(&id) = request.tokens.iter().find(|&&id| id >= vocab_size) {
-        return Err(
-            crate::validation::ValidationError::TokenOutOfVocab(id, "tokens", vocab_size).into(),
-        );
+        return Err(crate::validation::ValidationError::TokenOutOfVocab(id, "tokens", vocab_size).into());
     }
     Ok(Json(DetokenizeResponse {
         prompt: state.decode(&request.tokens, request.skip_special_tokens.unwrap_or(true)),
@@ -131,6 +164,8 @@ pub async fn detokenize(
         super::openai::chat_completions,
         super::openai::models,
         health,
+        ready,
+        metrics,
         info,
         tokenize,
         detokenize,
@@ -191,7 +226,5 @@ pub async fn docs() -> Html<String> {
 }
 
 fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }

@@ -9,9 +9,7 @@ use axum::{
 };
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
-use tokenizers::{
-    models::wordlevel::WordLevel, pre_tokenizers::whitespace::Whitespace, AddedToken, Tokenizer,
-};
+use tokenizers::{models::wordlevel::WordLevel, pre_tokenizers::whitespace::Whitespace, AddedToken, Tokenizer};
 use tokio::sync::{mpsc, Semaphore};
 use tower::ServiceExt;
 
@@ -19,8 +17,9 @@ use super::{app, AppState};
 use crate::{
     chat_template::ChatTemplate,
     config::{BatchConfig, LimitsConfig},
-    engine::{EngineCore, EngineHandle, EngineStats},
+    engine::{EngineCore, EngineHandle},
     kv::BlockAllocator,
+    metrics::{Metrics, Outcome},
     scheduler::SchedulerConfig,
     shard::{
         fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
@@ -73,21 +72,26 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
         watermark_blocks: 1,
     };
     let tokenizer = Arc::new(tokenizer());
-    let stats = Arc::new(EngineStats::default());
+    let metrics = Arc::new(Metrics::new());
     let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
     let core = EngineCore::new(
-        shards,
+        shards.clone(),
         tokenizer.clone(),
         [FAKE_EOS].into(),
         scheduler,
         BlockAllocator::new(num_blocks),
         inbox_rx,
-        stats.clone(),
+        metrics.clone(),
     );
     tokio::spawn(core.run());
     let state = AppState {
-        engine: EngineHandle::new(inbox_tx, stats),
-        validator: Validator::new(tokenizer, limits.clone(), FAKE_VOCAB_SIZE, ((num_blocks - 2) * 4) as usize),
+        engine: EngineHandle::new(inbox_tx, metrics),
+        validator: Validator::new(
+            tokenizer,
+            limits.clone(),
+            FAKE_VOCAB_SIZE,
+            ((num_blocks - 2) * 4) as usize,
+        ),
         admission: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
         chat_template: Some(Arc::new(
             ChatTemplate::new(
@@ -101,6 +105,7 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
         served_model_name: "fake".into(),
         started_at: 0,
         shard_info,
+        shards,
         limits,
         batch,
     };
@@ -121,17 +126,8 @@ async fn post(app: &Router, uri: &str, body: Value) -> (StatusCode, axum::http::
     let response = app.clone().oneshot(request).await.expect("infallible");
     let status = response.status();
     let headers = response.headers().clone();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    (
-        status,
-        headers,
-        String::from_utf8(bytes.to_vec()).expect("utf-8 body"),
-    )
+    let bytes = response.into_body().collect().await.expect("body").to_bytes();
+    (status, headers, String::from_utf8(bytes.to_vec()).expect("utf-8 body"))
 }
 
 async fn generate(app: &Router, inputs: &str, max_new_tokens: u32) -> Value {
@@ -143,18 +139,14 @@ async fn generate(app: &Router, inputs: &str, max_new_tokens: u32) -> Value {
 
 /// Waits until the engine has nothing left and returns the free block count.
 async fn idle_free_blocks(server: &TestServer) -> u32 {
-    let stats = &server.state.engine.stats;
+    let metrics = &server.state.engine.metrics;
     for _ in 0..200 {
-        let idle = stats.num_running.load(std::sync::atomic::Ordering::Relaxed) == 0
-            && stats.num_waiting.load(std::sync::atomic::Ordering::Relaxed) == 0;
-        if idle {
+        if metrics.running_sequences.get() == 0 && metrics.queue_depth.get() == 0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    stats
-        .num_free_blocks
-        .load(std::sync::atomic::Ordering::Relaxed)
+    metrics.kv_blocks_free.get() as u32
 }
 
 #[tokio::test]
@@ -221,17 +213,11 @@ async fn many_requests_on_a_tiny_pool_all_finish_and_free_their_blocks() {
     }
     for task in tasks {
         let (start, result) = task.await.expect("task");
-        let tokens = result["details"]["tokens"]
-            .as_array()
-            .expect("tokens")
-            .clone();
+        let tokens = result["details"]["tokens"].as_array().expect("tokens").clone();
         let expected: Vec<u64> = (0..tokens.len() as u32)
             .map(|k| ((start + 2 + k) % FAKE_VOCAB_SIZE) as u64)
             .collect();
-        let ids: Vec<u64> = tokens
-            .iter()
-            .map(|t| t["id"].as_u64().expect("id"))
-            .collect();
+        let ids: Vec<u64> = tokens.iter().map(|t| t["id"].as_u64().expect("id")).collect();
         assert_eq!(ids, expected);
     }
     assert_eq!(idle_free_blocks(&server).await, 12);
@@ -259,25 +245,14 @@ async fn bad_input_gets_a_json_error_naming_the_field() {
             StatusCode::UNPROCESSABLE_ENTITY,
             "surprise",
         ),
-        (
-            json!({"inputs": 7}),
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "inputs",
-        ),
-        (
-            json!({"inputs": ""}),
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "inputs",
-        ),
+        (json!({"inputs": 7}), StatusCode::UNPROCESSABLE_ENTITY, "inputs"),
+        (json!({"inputs": ""}), StatusCode::UNPROCESSABLE_ENTITY, "inputs"),
     ];
     for (body, status, field) in cases {
         let (got, _, text) = post(&server.app, "/generate", body.clone()).await;
         assert_eq!(got, status, "{body}: {text}");
         let error: Value = serde_json::from_str(&text).expect("json error");
-        assert!(
-            error["error"].as_str().expect("message").contains(field),
-            "{text}"
-        );
+        assert!(error["error"].as_str().expect("message").contains(field), "{text}");
         assert_eq!(error["error_type"], "validation");
     }
     let request = Request::builder()
@@ -286,29 +261,16 @@ async fn bad_input_gets_a_json_error_naming_the_field() {
         .header("content-type", "application/json")
         .body(Body::from("{oops"))
         .expect("valid request");
-    let response = server
-        .app
-        .clone()
-        .oneshot(request)
-        .await
-        .expect("infallible");
+    let response = server.app.clone().oneshot(request).await.expect("infallible");
     assert_eq!(response.status(), StatusCode::BAD_REQUEST);
     // The server carries on.
-    assert_eq!(
-        generate(&server.app, "w1", 1).await["details"]["generated_tokens"],
-        1
-    );
+    assert_eq!(generate(&server.app, "w1", 1).await["details"]["generated_tokens"], 1);
 }
 
 #[tokio::test]
 async fn overload_gets_429_with_retry_after() {
     let server = server(64, 1).await;
-    let _held = server
-        .state
-        .admission
-        .clone()
-        .try_acquire_owned()
-        .expect("one permit");
+    let _held = server.state.admission.clone().try_acquire_owned().expect("one permit");
     let (status, headers, text) = post(&server.app, "/generate", json!({"inputs": "w1"})).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(headers["retry-after"], "1");
@@ -323,18 +285,8 @@ async fn info_reports_the_kv_pool() {
         .uri("/info")
         .body(Body::empty())
         .expect("valid request");
-    let response = server
-        .app
-        .clone()
-        .oneshot(request)
-        .await
-        .expect("infallible");
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let response = server.app.clone().oneshot(request).await.expect("infallible");
+    let bytes = response.into_body().collect().await.expect("body").to_bytes();
     let info: Value = serde_json::from_slice(&bytes).expect("json");
     assert_eq!(info["kv"]["total_blocks"], 63);
     assert_eq!(info["kv"]["block_size"], 4);
@@ -342,17 +294,9 @@ async fn info_reports_the_kv_pool() {
 }
 
 async fn get(app: &Router, uri: &str) -> Value {
-    let request = Request::builder()
-        .uri(uri)
-        .body(Body::empty())
-        .expect("valid request");
+    let request = Request::builder().uri(uri).body(Body::empty()).expect("valid request");
     let response = app.clone().oneshot(request).await.expect("infallible");
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let bytes = response.into_body().collect().await.expect("body").to_bytes();
     serde_json::from_slice(&bytes).expect("json")
 }
 
@@ -425,12 +369,7 @@ async fn openai_errors_have_openai_shape() {
     let error: Value = serde_json::from_str(&text).expect("json");
     assert_eq!(error["error"]["code"], "model_not_found");
     assert_eq!(error["error"]["param"], "model");
-    let (status, _, text) = post(
-        &server.app,
-        "/v1/completions",
-        json!({"prompt": "w1", "suffix": "x"}),
-    )
-    .await;
+    let (status, _, text) = post(&server.app, "/v1/completions", json!({"prompt": "w1", "suffix": "x"})).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(text.contains("`suffix`"), "{text}");
     let (status, _, text) = post(
@@ -457,20 +396,14 @@ async fn tokenize_and_detokenize_round_trip() {
     assert_eq!(tokens["tokens"][1]["id"], 5);
     assert_eq!(tokens["tokens"][1]["text"], "w5");
     let (_, _, text) = post(&server.app, "/detokenize", json!({"tokens": [4, 5]})).await;
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).expect("json")["prompt"],
-        "w4 w5"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&text).expect("json")["prompt"], "w4 w5");
     let (_, _, text) = post(
         &server.app,
         "/tokenize",
         json!({"messages": [{"role": "user", "content": "w7"}]}),
     )
     .await;
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).expect("json")["prompt"],
-        "w7 w0"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&text).expect("json")["prompt"], "w7 w0");
 }
 
 #[tokio::test]
@@ -491,4 +424,77 @@ async fn openapi_document_lists_every_route() {
             "{path} missing from the OpenAPI document"
         );
     }
+}
+
+#[tokio::test]
+async fn metrics_count_outcomes_and_latencies() {
+    let server = server(64, 16).await;
+    generate(&server.app, "w1", 3).await;
+    generate(&server.app, "w2", 2).await;
+    let (status, _, _) = post(
+        &server.app,
+        "/generate",
+        json!({"inputs": "w1", "parameters": {"top_k": 0}}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    let metrics = &server.state.engine.metrics;
+    assert_eq!(metrics.num_requests(Outcome::Success), 2);
+    assert_eq!(metrics.num_requests(Outcome::Invalid), 1);
+    let request = Request::builder()
+        .uri("/metrics")
+        .body(Body::empty())
+        .expect("valid request");
+    let response = server.app.clone().oneshot(request).await.expect("infallible");
+    let text =
+        String::from_utf8(response.into_body().collect().await.expect("body").to_bytes().to_vec()).expect("utf-8");
+    assert!(text.contains("rill_requests_total{outcome=\"success\"} 2"), "{text}");
+    assert!(text.contains("rill_time_to_first_token_seconds_count 2"), "{text}");
+    assert!(text.contains("rill_inter_token_latency_seconds_count 3"), "{text}");
+    assert!(text.contains("rill_generated_tokens_total 5"), "{text}");
+}
+
+#[tokio::test]
+async fn a_dropped_stream_is_cancelled_and_frees_its_blocks() {
+    let server = server(64, 16).await;
+    let receiver = {
+        let valid = server
+            .state
+            .validator
+            .validate(crate::validation::GenerateInput::new(
+                crate::validation::Prompt::Text {
+                    text: "w1 w2 w3 w4 w5".into(),
+                    add_special_tokens: true,
+                },
+                "inputs",
+                "max_new_tokens",
+            ))
+            .await
+            .expect("valid");
+        let mut valid = valid;
+        valid.max_new_tokens = 50;
+        server
+            .state
+            .engine
+            .submit_n(valid, 1)
+            .expect("submitted")
+            .pop()
+            .expect("one")
+    };
+    let mut receiver = receiver;
+    receiver.recv().await.expect("a first token").expect("no error");
+    drop(receiver);
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    assert_eq!(server.state.engine.metrics.num_requests(Outcome::Cancelled), 1);
+}
+
+#[tokio::test]
+async fn ready_reports_the_shards() {
+    let server = server(64, 16).await;
+    let request = Request::builder()
+        .uri("/ready")
+        .body(Body::empty())
+        .expect("valid request");
+    let response = server.app.clone().oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::OK);
 }

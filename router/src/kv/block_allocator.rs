@@ -106,28 +106,16 @@ impl BlockAllocator {
 
     /// How many of these blocks would return to the pool if their holder let go of them.
     pub fn num_freeable(&self, blocks: &[u32]) -> usize {
-        blocks
-            .iter()
-            .filter(|&&b| self.ref_counts[b as usize] == 1)
-            .count()
+        blocks.iter().filter(|&&b| self.ref_counts[b as usize] == 1).count()
     }
 
     /// Panics if the free list and the reference counts disagree. Called after every step in debug builds.
     pub fn check_invariants(&self) {
         let mut seen = vec![false; self.num_blocks as usize];
         for &block in &self.free {
-            assert!(
-                block != 0 && block < self.num_blocks,
-                "free block {block} out of range"
-            );
-            assert!(
-                !seen[block as usize],
-                "block {block} is on the free list twice"
-            );
-            assert_eq!(
-                self.ref_counts[block as usize], 0,
-                "free block {block} has holders"
-            );
+            assert!(block != 0 && block < self.num_blocks, "free block {block} out of range");
+            assert!(!seen[block as usize], "block {block} is on the free list twice");
+            assert_eq!(self.ref_counts[block as usize], 0, "free block {block} has holders");
             seen[block as usize] = true;
         }
         assert_eq!(
@@ -175,15 +163,9 @@ mod tests {
         let mut allocator = BlockAllocator::new(8);
         let blocks = allocator.allocate(2).expect("free");
         allocator.free(&blocks).expect("first free");
-        assert_eq!(
-            allocator.free(&blocks),
-            Err(BlockError::NotInUse(blocks[0]))
-        );
+        assert_eq!(allocator.free(&blocks), Err(BlockError::NotInUse(blocks[0])));
         let more = allocator.allocate(1).expect("free");
-        assert_eq!(
-            allocator.free(&[more[0], more[0]]),
-            Err(BlockError::NotInUse(more[0]))
-        );
+        assert_eq!(allocator.free(&[more[0], more[0]]), Err(BlockError::NotInUse(more[0])));
         allocator.check_invariants();
         assert_eq!(num_used(&allocator), 1);
     }
@@ -198,10 +180,7 @@ mod tests {
         assert_eq!(num_used(&allocator), 2);
         allocator.free(&blocks[..2]).expect("child lets go");
         assert_eq!(num_used(&allocator), 0);
-        assert_eq!(
-            allocator.share(&blocks[..1]),
-            Err(BlockError::NotInUse(blocks[0]))
-        );
+        assert_eq!(allocator.share(&blocks[..1]), Err(BlockError::NotInUse(blocks[0])));
         allocator.check_invariants();
     }
 

@@ -129,8 +129,7 @@ pub fn schedule(
             }
         }
         let num_new_blocks =
-            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size)
-                .saturating_sub(seq.num_blocks);
+            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
         if num_tokens == 0 || num_new_blocks > free_blocks {
             free_blocks += seq.num_freeable_blocks;
             plan.preempted.push(seq.id);
@@ -154,8 +153,7 @@ pub fn schedule(
         }
         let num_tokens = (seq.num_tokens - seq.num_computed_tokens).min(tokens_left);
         let num_new_blocks =
-            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size)
-                .saturating_sub(seq.num_blocks);
+            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
         if num_new_blocks + config.watermark_blocks > free_blocks {
             break;
         }

@@ -86,10 +86,7 @@ fn preempts_the_newest_when_a_decode_needs_a_block() {
     assert_eq!(plan.preempted, vec![RequestId(3)]);
     let ids: Vec<_> = plan.scheduled.iter().map(|s| s.id).collect();
     assert_eq!(ids, vec![RequestId(1), RequestId(2)]);
-    assert!(
-        plan.admitted.is_empty(),
-        "no admission in a step that preempts"
-    );
+    assert!(plan.admitted.is_empty(), "no admission in a step that preempts");
 }
 
 #[test]
@@ -127,10 +124,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
         let num_requests = rng.random_range(1..40);
         // Every request must fit the pool alone, as validation guarantees.
         let max_len: usize = 40;
-        let num_blocks = (max_len.div_ceil(cfg.block_size)
-            + cfg.watermark_blocks
-            + rng.random_range(0..30)) as u32
-            + 1;
+        let num_blocks = (max_len.div_ceil(cfg.block_size) + cfg.watermark_blocks + rng.random_range(0..30)) as u32 + 1;
         let mut allocator = BlockAllocator::new(num_blocks);
         let mut waiting: std::collections::VecDeque<SimSeq> = std::collections::VecDeque::new();
         let mut running: Vec<SimSeq> = Vec::new();
@@ -170,10 +164,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 running.push(front);
             }
             for victim in plan.preempted.iter().rev() {
-                let i = running
-                    .iter()
-                    .position(|s| s.view.id == *victim)
-                    .expect("victim runs");
+                let i = running.iter().position(|s| s.view.id == *victim).expect("victim runs");
                 let mut s = running.remove(i);
                 allocator.free(&s.blocks).expect("victim blocks are owned");
                 s.blocks.clear();
@@ -203,9 +194,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             running.retain(|s| {
                 let done = s.view.num_tokens == s.num_final_tokens;
                 if done {
-                    allocator
-                        .free(&s.blocks)
-                        .expect("finished blocks are owned");
+                    allocator.free(&s.blocks).expect("finished blocks are owned");
                     num_finished += 1;
                 }
                 !done
@@ -217,15 +206,9 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 (allocator.num_usable_blocks() - allocator.num_free_blocks())
             );
         }
-        assert_eq!(
-            (allocator.num_usable_blocks() - allocator.num_free_blocks()),
-            0
-        );
+        assert_eq!((allocator.num_usable_blocks() - allocator.num_free_blocks()), 0);
         let mut sorted = admission_order.clone();
         sorted.sort();
-        assert_eq!(
-            admission_order, sorted,
-            "first admissions follow arrival order"
-        );
+        assert_eq!(admission_order, sorted, "first admissions follow arrival order");
     }
 }

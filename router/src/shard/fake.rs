@@ -60,11 +60,7 @@ impl FakeShard {
             if chunk.block_table.len() * (self.block_size as usize) < end {
                 return Err(invalid(format!("sequence {} has too few blocks", chunk.id)));
             }
-            if chunk
-                .block_table
-                .iter()
-                .any(|&b| b == 0 || b >= self.num_blocks)
-            {
+            if chunk.block_table.iter().any(|&b| b == 0 || b >= self.num_blocks) {
                 return Err(invalid(format!("sequence {} names a bad block", chunk.id)));
             }
             if chunk.sample {
@@ -99,10 +95,11 @@ impl ShardClient for FakeShard {
         async move { Ok(info) }.boxed()
     }
 
-    fn warmup(
-        &self,
-        _: pb::WarmupRequest,
-    ) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {
+    fn health(&self) -> BoxFuture<'_, Result<(), ShardError>> {
+        async { Ok(()) }.boxed()
+    }
+
+    fn warmup(&self, _: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {
         let num_blocks = self.num_blocks;
         async move { Ok(pb::WarmupResponse { num_blocks }) }.boxed()
     }

@@ -88,10 +88,16 @@ impl ShardClient for GrpcShards {
             .boxed()
     }
 
-    fn warmup(
-        &self,
-        request: pb::WarmupRequest,
-    ) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {
+    fn health(&self) -> BoxFuture<'_, Result<(), ShardError>> {
+        async move {
+            self.broadcast(|mut c| async move { c.health(pb::HealthRequest {}).await })
+                .await
+                .map(|_| ())
+        }
+        .boxed()
+    }
+
+    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {
         self.broadcast(move |mut c| async move { c.warmup(request).await })
             .boxed()
     }

@@ -26,10 +26,9 @@ pub enum ShardError {
 /// What the engine needs from the shards. Every call goes to every rank; the answer is rank 0's.
 pub trait ShardClient: Send + Sync {
     fn info(&self) -> BoxFuture<'_, Result<pb::InfoResponse, ShardError>>;
-    fn warmup(
-        &self,
-        request: pb::WarmupRequest,
-    ) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>>;
+    /// A cheap check that every rank answers.
+    fn health(&self) -> BoxFuture<'_, Result<(), ShardError>>;
+    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>>;
     /// One forward pass: `Decode` when every sequence computes one token, else `Prefill`.
     fn forward(
         &self,

@@ -76,11 +76,7 @@ impl IncrementalDetokenizer {
     /// Appends one generated token and returns the text it completes: possibly empty (half a
     /// character, or a skipped special token), possibly more than this token's own text (when it
     /// completes a character begun by earlier tokens).
-    pub fn push(
-        &mut self,
-        tokenizer: &Tokenizer,
-        token_id: u32,
-    ) -> Result<String, DetokenizeError> {
+    pub fn push(&mut self, tokenizer: &Tokenizer, token_id: u32) -> Result<String, DetokenizeError> {
         self.ids.push(token_id);
         self.emit(tokenizer, false)
     }
@@ -98,8 +94,7 @@ impl IncrementalDetokenizer {
         if self.read_offset == self.ids.len() {
             return Ok(String::new());
         }
-        let prefix_text =
-            self.decode(tokenizer, &self.ids[self.prefix_offset..self.read_offset])?;
+        let prefix_text = self.decode(tokenizer, &self.ids[self.prefix_offset..self.read_offset])?;
         let new_text = self.decode(tokenizer, &self.ids[self.prefix_offset..])?;
         // Compare in characters, not bytes, as TGI and vLLM do: if the window's prefix decodes
         // differently inside the longer window, a byte offset might not be a char boundary.
@@ -178,10 +173,7 @@ mod tests {
             vocab.insert(merged, id);
             merges.push((to_token(left), to_token(right)));
         }
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .unwrap();
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().unwrap();
         let mut tokenizer = Tokenizer::new(bpe);
         tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
         tokenizer.with_decoder(Some(ByteLevel::default()));
@@ -194,12 +186,7 @@ mod tests {
     }
 
     /// Streams `generated` after `prompt`; returns every piece, the flush last.
-    fn stream(
-        tokenizer: &Tokenizer,
-        prompt: &[u32],
-        generated: &[u32],
-        skip_special_tokens: bool,
-    ) -> Vec<String> {
+    fn stream(tokenizer: &Tokenizer, prompt: &[u32], generated: &[u32], skip_special_tokens: bool) -> Vec<String> {
         let mut detokenizer = IncrementalDetokenizer::new(prompt, skip_special_tokens);
         let mut pieces: Vec<String> = generated
             .iter()
@@ -238,11 +225,7 @@ mod tests {
         let mut num_checked_splits = 0;
         for split in 0..=ids.len() {
             let (prompt, generated) = ids.split_at(split);
-            if tokenizer
-                .decode(prompt, true)
-                .unwrap()
-                .ends_with('\u{FFFD}')
-            {
+            if tokenizer.decode(prompt, true).unwrap().ends_with('\u{FFFD}') {
                 continue; // the prompt itself ends mid-character
             }
             num_checked_splits += 1;
@@ -257,12 +240,7 @@ mod tests {
     fn special_tokens_are_skipped_or_kept() {
         let tokenizer = byte_level_tokenizer();
         let eos_id = tokenizer.token_to_id(EOS).unwrap();
-        let ids = [
-            encode(&tokenizer, CHINESE),
-            vec![eos_id],
-            encode(&tokenizer, "🦀"),
-        ]
-        .concat();
+        let ids = [encode(&tokenizer, CHINESE), vec![eos_id], encode(&tokenizer, "🦀")].concat();
 
         let skipped = stream(&tokenizer, &[], &ids, true);
         assert_eq!(skipped.concat(), format!("{CHINESE}🦀"));
@@ -278,32 +256,20 @@ mod tests {
     fn flush_releases_a_truly_invalid_tail() {
         let tokenizer = byte_level_tokenizer();
         // "ok" then only the first two bytes of "你": the model never finished the character.
-        let ids = [
-            encode(&tokenizer, "ok"),
-            vec![tokenizer.token_to_id("ä½").unwrap()],
-        ]
-        .concat();
+        let ids = [encode(&tokenizer, "ok"), vec![tokenizer.token_to_id("ä½").unwrap()]].concat();
         let mut detokenizer = IncrementalDetokenizer::new(&[], true);
         assert_eq!(detokenizer.push(&tokenizer, ids[0]).unwrap(), "ok");
         assert_eq!(detokenizer.push(&tokenizer, ids[1]).unwrap(), "");
         let tail = detokenizer.flush(&tokenizer).unwrap();
         assert_eq!(format!("ok{tail}"), tokenizer.decode(&ids, true).unwrap());
         assert!(tail.contains('\u{FFFD}'));
-        assert_eq!(
-            detokenizer.flush(&tokenizer).unwrap(),
-            "",
-            "flush is idempotent"
-        );
+        assert_eq!(detokenizer.flush(&tokenizer).unwrap(), "", "flush is idempotent");
     }
 
     #[test]
     fn invalid_bytes_followed_by_text_are_emitted_once_text_follows() {
         let tokenizer = byte_level_tokenizer();
-        let ids = [
-            vec![tokenizer.token_to_id("ä½").unwrap()],
-            encode(&tokenizer, "ok"),
-        ]
-        .concat();
+        let ids = [vec![tokenizer.token_to_id("ä½").unwrap()], encode(&tokenizer, "ok")].concat();
         let pieces = stream(&tokenizer, &[], &ids, true);
         assert_eq!(pieces.concat(), tokenizer.decode(&ids, true).unwrap());
         assert_eq!(pieces.last().unwrap(), "");

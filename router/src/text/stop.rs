@@ -102,9 +102,8 @@ impl StopMatcher {
                 continue;
             };
             let end = start + stop.len();
-            let is_better = best.is_none_or(|(best_end, best_len, _)| {
-                end < best_end || (end == best_end && stop.len() > best_len)
-            });
+            let is_better =
+                best.is_none_or(|(best_end, best_len, _)| end < best_end || (end == best_end && stop.len() > best_len));
             if is_better {
                 best = Some((end, stop.len(), index));
             }
@@ -120,9 +119,7 @@ impl StopMatcher {
             .filter(|&start| self.pending.is_char_boundary(start))
             .find(|&start| {
                 let tail = &self.pending[start..];
-                self.stop_sequences
-                    .iter()
-                    .any(|stop| stop.starts_with(tail))
+                self.stop_sequences.iter().any(|stop| stop.starts_with(tail))
             })
             .unwrap_or(self.pending.len())
     }
@@ -184,10 +181,7 @@ mod tests {
     fn stop_split_across_pushes_never_leaks_a_fragment() {
         let text = "Hello, world! The end.";
         for pieces in all_splits(text) {
-            assert_eq!(
-                run(&["world!"], &pieces, "Hello, "),
-                ("Hello, ".into(), Some(0))
-            );
+            assert_eq!(run(&["world!"], &pieces, "Hello, "), ("Hello, ".into(), Some(0)));
         }
     }
 
@@ -203,10 +197,7 @@ mod tests {
     fn multi_byte_stop_at_every_split() {
         let text = "これで終わりです🦀";
         for pieces in all_splits(text) {
-            assert_eq!(
-                run(&["終わり"], &pieces, "これで"),
-                ("これで".into(), Some(0))
-            );
+            assert_eq!(run(&["終わり"], &pieces, "これで"), ("これで".into(), Some(0)));
             assert_eq!(
                 run(&["す🦀"], &pieces, "これで終わりで"),
                 ("これで終わりで".into(), Some(0))
@@ -232,10 +223,7 @@ mod tests {
     fn the_match_that_ends_first_wins() {
         // "bc" completes before "abcd" could, whether the text comes at once or char by char.
         assert_eq!(run(&["abcd", "bc"], &["abcd"], "a"), ("a".into(), Some(1)));
-        assert_eq!(
-            run(&["abcd", "bc"], &["a", "b", "c", "d"], "a"),
-            ("a".into(), Some(1))
-        );
+        assert_eq!(run(&["abcd", "bc"], &["a", "b", "c", "d"], "a"), ("a".into(), Some(1)));
         // Same start: the shorter one completes first.
         assert_eq!(run(&["abc", "ab"], &["abc"], ""), ("".into(), Some(1)));
         // Same end: the longest wins.
@@ -323,10 +311,7 @@ mod tests {
             let mut rest = text.as_str();
             while !rest.is_empty() {
                 let num_chars = rng.random_range(0..=4);
-                let cut = rest
-                    .char_indices()
-                    .nth(num_chars)
-                    .map_or(rest.len(), |(i, _)| i);
+                let cut = rest.char_indices().nth(num_chars).map_or(rest.len(), |(i, _)| i);
                 pieces.push(&rest[..cut]);
                 rest = &rest[cut..];
             }

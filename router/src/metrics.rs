@@ -1,0 +1,201 @@
+//! Every metric the router exports, named in one place (Prometheus text format at `GET /metrics`).
+//! Counters for things that happen (requests, tokens, preemptions, cancellations), gauges only for
+//! saturation (queue depth, running sequences, free KV blocks), histograms for latencies and step sizes.
+
+use prometheus::{
+    exponential_buckets, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// Request outcomes, the label values of `rill_requests_total`.
+#[derive(Debug, Clone, Copy)]
+pub enum Outcome {
+    /// Finished with its output.
+    Success,
+    /// Rejected by validation (4xx).
+    Invalid,
+    /// Rejected because the server was full (429).
+    Overloaded,
+    /// The client went away first.
+    Cancelled,
+    /// Failed inside the server (shard error).
+    Failed,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Success => "success",
+            Outcome::Invalid => "invalid",
+            Outcome::Overloaded => "overloaded",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    pub queue_depth: IntGauge,
+    pub running_sequences: IntGauge,
+    pub kv_blocks_total: IntGauge,
+    pub kv_blocks_free: IntGauge,
+    pub prompt_tokens_computed: IntCounter,
+    pub generated_tokens: IntCounter,
+    pub preemptions: IntCounter,
+    pub cancelled_tokens: IntCounter,
+    pub step_tokens: Histogram,
+    pub step_duration: Histogram,
+    pub queue_time: Histogram,
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub end_to_end_latency: Histogram,
+    /// Unix time of the last forward pass that succeeded, for readiness.
+    pub last_progress_ms: IntGauge,
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    let histogram = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram");
+    registry
+        .register(Box::new(histogram.clone()))
+        .expect("metric names are unique");
+    histogram
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    let gauge = IntGauge::new(name, help).expect("valid gauge");
+    registry
+        .register(Box::new(gauge.clone()))
+        .expect("metric names are unique");
+    gauge
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    let counter = IntCounter::new(name, help).expect("valid counter");
+    registry
+        .register(Box::new(counter.clone()))
+        .expect("metric names are unique");
+    counter
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "rill_requests_total",
+                "Requests by outcome: success, invalid, overloaded, cancelled, failed",
+            ),
+            &["outcome"],
+        )
+        .expect("valid counter");
+        registry
+            .register(Box::new(requests.clone()))
+            .expect("metric names are unique");
+        // 1 ms .. ~33 s, and 1 .. 32k tokens.
+        let seconds = exponential_buckets(0.001, 2.0, 16).expect("valid buckets");
+        let tokens = exponential_buckets(1.0, 2.0, 16).expect("valid buckets");
+        Self {
+            queue_depth: gauge(&registry, "rill_queue_depth", "Requests waiting for admission"),
+            running_sequences: gauge(&registry, "rill_running_sequences", "Sequences being computed"),
+            kv_blocks_total: gauge(&registry, "rill_kv_blocks_total", "KV blocks a sequence can use"),
+            kv_blocks_free: gauge(&registry, "rill_kv_blocks_free", "KV blocks free now"),
+            prompt_tokens_computed: counter(
+                &registry,
+                "rill_prompt_tokens_computed_total",
+                "Prompt tokens the shards computed (reused prompt tokens excluded)",
+            ),
+            generated_tokens: counter(&registry, "rill_generated_tokens_total", "Tokens generated"),
+            preemptions: counter(
+                &registry,
+                "rill_preemptions_total",
+                "Sequences preempted to free KV blocks",
+            ),
+            cancelled_tokens: counter(
+                &registry,
+                "rill_cancelled_tokens_total",
+                "Tokens (prompt + generated) held by requests when they were cancelled",
+            ),
+            step_tokens: histogram(&registry, "rill_step_tokens", "Tokens computed per iteration", tokens),
+            step_duration: histogram(
+                &registry,
+                "rill_step_duration_seconds",
+                "Wall time of one iteration's forward call",
+                seconds.clone(),
+            ),
+            queue_time: histogram(
+                &registry,
+                "rill_queue_time_seconds",
+                "Time from arrival to first admission",
+                seconds.clone(),
+            ),
+            time_to_first_token: histogram(
+                &registry,
+                "rill_time_to_first_token_seconds",
+                "Time from arrival to the first token",
+                seconds.clone(),
+            ),
+            inter_token_latency: histogram(
+                &registry,
+                "rill_inter_token_latency_seconds",
+                "Time between two tokens of a request",
+                seconds.clone(),
+            ),
+            end_to_end_latency: histogram(
+                &registry,
+                "rill_end_to_end_latency_seconds",
+                "Time from arrival to the last token",
+                seconds,
+            ),
+            last_progress_ms: gauge(
+                &registry,
+                "rill_last_progress_timestamp_milliseconds",
+                "Unix time of the last successful forward pass",
+            ),
+            requests,
+            registry,
+        }
+    }
+
+    pub fn count_request(&self, outcome: Outcome) {
+        self.requests.with_label_values(&[outcome.label()]).inc();
+    }
+
+    #[cfg(test)]
+    pub fn num_requests(&self, outcome: Outcome) -> u64 {
+        self.requests.with_label_values(&[outcome.label()]).get()
+    }
+
+    /// Records that a forward pass succeeded now.
+    pub fn mark_progress(&self) {
+        self.last_progress_ms.set(unix_ms());
+    }
+
+    /// Milliseconds since the last successful forward pass (or since `since_ms` when there was none).
+    pub fn ms_since_progress(&self, since_ms: i64) -> i64 {
+        unix_ms() - self.last_progress_ms.get().max(since_ms)
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buffer)
+            .expect("encoding into a Vec cannot fail");
+        String::from_utf8(buffer).expect("the text format is UTF-8")
+    }
+}
+
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
