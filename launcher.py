@@ -59,6 +59,13 @@ class LaunchConfig:
     max_batch_size: int
     kv_block_size: int
     max_concurrent_requests: int
+    max_waiting_requests: int
+    max_queue_time: int
+    scheduling: str
+    static_batch_wait_ms: int
+    target_itl_ms: float | None
+    served_model_name: str | None
+    shutdown_timeout: int
     num_threads: int | None  # None: the shard keeps torch's default
     router_bin: Path
     log_level: str
@@ -91,6 +98,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("max-batch-size", int, 64, "most sequences in one forward pass")
     flag("kv-block-size", int, 16, "tokens per paged KV cache block")
     flag("max-concurrent-requests", int, 128, "requests accepted at once (running + queued); beyond: 429")
+    flag("max-waiting-requests", int, 128, "requests waiting for admission at once; beyond: 429")
+    flag("max-queue-time", int, 0, "seconds a request may wait for admission (else 503); 0 = no limit")
+    flag("scheduling", str, "continuous", "continuous (iteration-level) or static (a benchmark baseline)")
+    flag("static-batch-wait-ms", int, 1000, "with --scheduling static: start a partial batch after it")
+    flag("target-itl-ms", float, None, "bound inter-token latency by sizing prompt chunks; auto = off")
+    flag("served-model-name", str, None, "model name of the OpenAI API; auto = the model folder's name")
+    flag("shutdown-timeout", int, 30, "on SIGTERM, seconds for requests in flight to finish (new: 503)")
     flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
     flag("router-bin", Path, None, "rill-router binary; auto = on PATH, else ./target/{release,debug}/")
     flag("log-level", str, "info", "debug, info, warning or error (also RUST_LOG for the router when unset)")
@@ -110,6 +124,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in ("float32", "bfloat16", "float16"):
         parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if args.scheduling not in ("continuous", "static"):
+        parser.error(f"--scheduling must be continuous or static, got {args.scheduling!r}")
     if args.log_level.lower() not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, got {args.log_level!r}")
     if not 0 < args.max_input_tokens < args.max_total_tokens:
@@ -144,6 +160,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         max_batch_size=args.max_batch_size,
         kv_block_size=args.kv_block_size,
         max_concurrent_requests=args.max_concurrent_requests,
+        max_waiting_requests=args.max_waiting_requests,
+        max_queue_time=args.max_queue_time,
+        scheduling=args.scheduling,
+        static_batch_wait_ms=args.static_batch_wait_ms,
+        target_itl_ms=args.target_itl_ms,
+        served_model_name=args.served_model_name,
+        shutdown_timeout=args.shutdown_timeout,
         num_threads=num_threads,
         router_bin=router_bin,
         log_level=args.log_level.lower(),
@@ -223,7 +246,14 @@ def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[s
         "--max-batch-total-tokens", str(config.max_batch_total_tokens),
         "--max-batch-size", str(config.max_batch_size),
         "--max-concurrent-requests", str(config.max_concurrent_requests),
-    ]  # fmt: skip
+        "--max-waiting-requests", str(config.max_waiting_requests),
+        "--max-queue-time", str(config.max_queue_time),
+        "--scheduling", config.scheduling,
+        "--static-batch-wait-ms", str(config.static_batch_wait_ms),
+        "--shutdown-timeout", str(config.shutdown_timeout),
+    ] + (["--target-itl-ms", str(config.target_itl_ms)] if config.target_itl_ms else []) + (
+        ["--served-model-name", config.served_model_name] if config.served_model_name else []
+    )  # fmt: skip
 
 
 class ChildExited(RuntimeError):
@@ -277,20 +307,25 @@ class Supervisor:
             self.check()
             self.stop_requested.wait(POLL_INTERVAL_S)
 
-    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM to every child's process group, newest first; SIGKILL what is left after `grace_s`."""
+    def stop_all(self, router_grace_s: float = STOP_GRACE_S) -> None:
+        """Stops the router first and waits for it (it drains requests in flight for up to its
+        --shutdown-timeout, which needs the shards alive), then the shards: SIGTERM to each child's
+        process group, SIGKILL what is left after its grace period."""
         alive = [(name, child) for name, child in reversed(self.children.items()) if child.poll() is None]
-        for name, process in alive:
-            logger.info("stopping %s (pid %d)", name, process.pid)
-            _signal_group(process, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for name, process in alive:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
-                _signal_group(process, signal.SIGKILL)
-                process.wait()
+        router = [(name, child) for name, child in alive if name == "router"]
+        shards = [(name, child) for name, child in alive if name != "router"]
+        for group, grace_s in ((router, router_grace_s), (shards, STOP_GRACE_S)):
+            for name, process in group:
+                logger.info("stopping %s (pid %d)", name, process.pid)
+                _signal_group(process, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for name, process in group:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+                    _signal_group(process, signal.SIGKILL)
+                    process.wait()
         for process in self.children.values():
             _signal_group(process, signal.SIGKILL)  # grandchildren left in a dead child's group
 
@@ -366,15 +401,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    # On a signal the router drains requests in flight (--shutdown-timeout); after a crash it need not.
+    router_grace_s = STOP_GRACE_S
     try:
         serve(config, supervisor)
     except ShutdownRequested:
-        pass
+        router_grace_s = config.shutdown_timeout + STOP_GRACE_S
     except (ChildExited, TimeoutError) as error:
         logger.error("%s; stopping Rill", error)
         return 1
     finally:
-        supervisor.stop_all()
+        supervisor.stop_all(router_grace_s)
     logger.info("Rill stopped")
     return 0
 

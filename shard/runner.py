@@ -62,6 +62,8 @@ class NotReadyError(RuntimeError):
 class ModelRunner:
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
+        # Wall time of the latest model forward (embedding to logits), reported to the router.
+        self.last_model_time_s = 0.0
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.hf_config = load_hf_config(config.model_path)
@@ -253,9 +255,14 @@ class ModelRunner:
             slot_mapping=batch.slot_mapping,
             positions=batch.positions,
         )
+        start = time.perf_counter()
         with forward_context(ctx):
             hidden = self.model(batch.input_ids, batch.positions)
-        return batch, self.model.compute_logits(hidden[batch.sample_rows])
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_model_time_s = time.perf_counter() - start
+        return batch, logits
 
     def clear(self) -> None:
         """Forgets every sequence (the pool's contents are the router's business and stay allocated)."""

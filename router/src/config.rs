@@ -1,8 +1,8 @@
 //! Command-line flags and the typed configuration built from them once at start.
 
-use std::{net::SocketAddr, path::PathBuf};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 
 /// rill-router: Rill's HTTP server, scheduler and KV block owner. Normally started by `launcher.py`,
 /// which starts the shards first; the router connects to them, sizes the KV pool (Warmup) and serves.
@@ -10,61 +10,91 @@ use clap::Parser;
 #[command(version, about)]
 pub struct Args {
     /// Hugging Face-layout model folder (tokenizer.json is read from it).
-    #[arg(long, env = "RILL_MODEL_ID")]
+    #[arg(long)]
     pub model_id: PathBuf,
+    /// Model name of the OpenAI API (`/v1/models`, the `model` field); default: the model folder's name.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1", env = "RILL_HOSTNAME")]
+    #[arg(long, default_value = "127.0.0.1")]
     pub hostname: String,
     /// Port to listen on.
-    #[arg(long, default_value_t = 8080, env = "RILL_PORT")]
+    #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// Unix socket of a shard rank, once per rank, rank 0 first.
     #[arg(long = "shard-socket", required = true)]
     pub shard_sockets: Vec<PathBuf>,
     /// Longest prompt accepted, in tokens.
-    #[arg(long, default_value_t = 4095, env = "RILL_MAX_INPUT_TOKENS")]
+    #[arg(long, default_value_t = 4095)]
     pub max_input_tokens: u32,
     /// Most tokens of one request, prompt plus generated.
-    #[arg(long, default_value_t = 4096, env = "RILL_MAX_TOTAL_TOKENS")]
+    #[arg(long, default_value_t = 4096)]
     pub max_total_tokens: u32,
     /// Most tokens computed in one forward pass (one iteration); longer prompts are prefilled in chunks.
-    #[arg(long, default_value_t = 2048, env = "RILL_MAX_BATCH_TOKENS")]
+    #[arg(long, default_value_t = 2048)]
     pub max_batch_tokens: u32,
     /// KV capacity in tokens over all sequences; 0 lets the shards size it from free memory at warmup.
-    #[arg(long, default_value_t = 0, env = "RILL_MAX_BATCH_TOTAL_TOKENS")]
+    #[arg(long, default_value_t = 0)]
     pub max_batch_total_tokens: u64,
     /// Most sequences in one forward pass.
-    #[arg(long, default_value_t = 64, env = "RILL_MAX_BATCH_SIZE")]
+    #[arg(long, default_value_t = 64)]
     pub max_batch_size: u32,
-    /// Most requests in the server at once (waiting or running); more get 429 at once.
-    #[arg(long, default_value_t = 128, env = "RILL_MAX_CONCURRENT_REQUESTS")]
+    /// Most sequences in the server at once (waiting or running); more get 429 at once.
+    #[arg(long, default_value_t = 128)]
     pub max_concurrent_requests: u32,
+    /// Most requests waiting for admission; more get 429 at once.
+    #[arg(long, default_value_t = 128)]
+    pub max_waiting_requests: u32,
+    /// Seconds a request may wait for admission before it fails with 503; 0 = no limit.
+    #[arg(long, default_value_t = 0)]
+    pub max_queue_time: u64,
     /// Most stop sequences one request may give.
-    #[arg(long, default_value_t = 4, env = "RILL_MAX_STOP_SEQUENCES")]
+    #[arg(long, default_value_t = 4)]
     pub max_stop_sequences: u32,
-    /// Model name of the OpenAI API (`/v1/models`, the `model` field); default: the model folder's name.
-    #[arg(long, env = "RILL_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
+    /// How batches form: `continuous` (iteration-level) or `static` (a baseline for benchmarks).
+    #[arg(long, value_enum, default_value_t = Scheduling::Continuous)]
+    pub scheduling: Scheduling,
+    /// With `--scheduling static`: start a partial batch once its oldest request waited this long.
+    #[arg(long, default_value_t = 1000)]
+    pub static_batch_wait_ms: u64,
+    /// Keep running streams' inter-token latency under this target by sizing prompt chunks from the
+    /// step time measured at warmup and while serving; unset = a fixed --max-batch-tokens budget.
+    #[arg(long)]
+    pub target_itl_ms: Option<f64>,
+    /// On SIGTERM: refuse new requests (503) and let requests in flight finish for up to this many seconds.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
     /// Seconds to wait for the shards' sockets to answer at start.
     #[arg(long, default_value_t = 60)]
     pub shard_connect_timeout: u64,
 }
 
-/// Request limits enforced by validation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Scheduling {
+    Continuous,
+    Static,
+}
+
+/// Request limits enforced by validation and admission.
 #[derive(Debug, Clone)]
 pub struct LimitsConfig {
     pub max_input_tokens: u32,
     pub max_total_tokens: u32,
     pub max_stop_sequences: u32,
     pub max_concurrent_requests: u32,
+    pub max_waiting_requests: u32,
 }
 
-/// Per-iteration budgets given to the scheduler.
+/// Per-iteration budgets and batching policy given to the engine.
 #[derive(Debug, Clone)]
 pub struct BatchConfig {
     pub max_batch_tokens: u32,
     pub max_batch_size: u32,
     pub max_batch_total_tokens: u64,
+    pub scheduling: Scheduling,
+    pub static_batch_wait_ms: u64,
+    pub target_itl_ms: Option<f64>,
+    pub max_queue_time: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -74,6 +104,7 @@ pub struct Config {
     pub addr: SocketAddr,
     pub shard_sockets: Vec<PathBuf>,
     pub shard_connect_timeout_s: u64,
+    pub shutdown_timeout: Duration,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
 }
@@ -91,6 +122,9 @@ impl Config {
         );
         anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
+        if let Some(target) = args.target_itl_ms {
+            anyhow::ensure!(target > 0.0, "--target-itl-ms must be positive, got {target}");
+        }
         let served_model_name = args.served_model_name.unwrap_or_else(|| {
             let name = args.model_id.file_name().unwrap_or(args.model_id.as_os_str());
             name.to_string_lossy().into_owned()
@@ -101,16 +135,22 @@ impl Config {
             addr,
             shard_sockets: args.shard_sockets,
             shard_connect_timeout_s: args.shard_connect_timeout,
+            shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
             limits: LimitsConfig {
                 max_input_tokens: args.max_input_tokens,
                 max_total_tokens: args.max_total_tokens,
                 max_stop_sequences: args.max_stop_sequences,
                 max_concurrent_requests: args.max_concurrent_requests,
+                max_waiting_requests: args.max_waiting_requests,
             },
             batch: BatchConfig {
                 max_batch_tokens: args.max_batch_tokens,
                 max_batch_size: args.max_batch_size,
                 max_batch_total_tokens: args.max_batch_total_tokens,
+                scheduling: args.scheduling,
+                static_batch_wait_ms: args.static_batch_wait_ms,
+                target_itl_ms: args.target_itl_ms,
+                max_queue_time: (args.max_queue_time > 0).then(|| Duration::from_secs(args.max_queue_time)),
             },
         })
     }

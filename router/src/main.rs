@@ -13,17 +13,24 @@ mod shard;
 mod text;
 mod validation;
 
-use std::{collections::HashSet, sync::Arc, time::Duration};
+use std::{
+    collections::HashSet,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use anyhow::Context;
 use clap::Parser;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::{
-    config::{Args, Config},
-    engine::{EngineCore, EngineHandle},
+    config::{Args, Config, Scheduling},
+    engine::{EngineConfig, EngineCore, EngineHandle},
     kv::BlockAllocator,
-    scheduler::SchedulerConfig,
+    scheduler::{BatchingMode, SchedulerConfig},
     shard::{pb, GrpcShards, ShardClient},
     validation::Validator,
 };
@@ -75,11 +82,22 @@ async fn main() -> anyhow::Result<()> {
         "KV pool ready"
     );
 
-    let scheduler_config = SchedulerConfig {
-        max_batch_tokens: config.batch.max_batch_tokens as usize,
-        max_batch_size: config.batch.max_batch_size as usize,
-        block_size,
-        watermark_blocks,
+    let engine_config = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_batch_tokens: config.batch.max_batch_tokens as usize,
+            max_batch_size: config.batch.max_batch_size as usize,
+            block_size,
+            watermark_blocks,
+            mode: match config.batch.scheduling {
+                Scheduling::Continuous => BatchingMode::Continuous,
+                Scheduling::Static => BatchingMode::Static {
+                    max_wait_ms: config.batch.static_batch_wait_ms,
+                },
+            },
+            max_times_overtaken: MAX_TIMES_OVERTAKEN,
+        },
+        target_itl_ms: config.batch.target_itl_ms,
+        max_queue_time: config.batch.max_queue_time,
     };
     let metrics = Arc::new(metrics::Metrics::new());
     let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
@@ -88,7 +106,7 @@ async fn main() -> anyhow::Result<()> {
         shards.clone(),
         tokenizer.clone(),
         eos_token_ids,
-        scheduler_config,
+        engine_config,
         allocator,
         inbox_rx,
         metrics.clone(),
@@ -105,6 +123,8 @@ async fn main() -> anyhow::Result<()> {
         engine: EngineHandle::new(inbox_tx, metrics),
         validator: Validator::new(tokenizer, config.limits.clone(), shard_info.vocab_size, max_kv_tokens),
         admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
+        waiting: Arc::new(Semaphore::new(config.limits.max_waiting_requests as usize)),
+        draining: Arc::new(AtomicBool::new(false)),
         chat_template,
         model_id: config.model_id.display().to_string(),
         served_model_name: config.served_model_name.clone(),
@@ -121,12 +141,37 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", config.addr))?;
     tracing::info!(addr = %config.addr, "serving HTTP");
+    let drained = drain_on_signal(state.clone(), config.shutdown_timeout);
     axum::serve(listener, http::app(state))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(drained)
         .await?;
     tracing::info!("stopped");
     Ok(())
 }
+
+/// Graceful shutdown: on SIGTERM or Ctrl-C, new requests get 503 while those in flight finish, for up
+/// to `timeout`; then the server stops.
+async fn drain_on_signal(state: http::AppState, timeout: Duration) {
+    shutdown_signal().await;
+    state.draining.store(true, Ordering::SeqCst);
+    let max = state.limits.max_concurrent_requests as usize;
+    tracing::info!(
+        timeout_s = timeout.as_secs(),
+        "draining: refusing new requests, finishing those in flight"
+    );
+    let deadline = tokio::time::Instant::now() + timeout;
+    while state.admission.available_permits() < max && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let num_left = max - state.admission.available_permits();
+    if num_left > 0 {
+        tracing::warn!(num_left, "shutdown timeout reached with requests in flight");
+    }
+}
+
+/// The scheduler's starvation bound: a request overtaken this often by later, higher-priority arrivals is
+/// admitted first.
+const MAX_TIMES_OVERTAKEN: u32 = 32;
 
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();

@@ -3,8 +3,8 @@
 //! saturation (queue depth, running sequences, free KV blocks), histograms for latencies and step sizes.
 
 use prometheus::{
-    exponential_buckets, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    exponential_buckets, Counter, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 
 /// Request outcomes, the label values of `rill_requests_total`.
@@ -45,6 +45,9 @@ pub struct Metrics {
     pub generated_tokens: IntCounter,
     pub preemptions: IntCounter,
     pub cancelled_tokens: IntCounter,
+    /// Seconds of model forward reported by the shards; against `step_duration`'s sum it gives the share
+    /// of each step spent outside the model (planning, gRPC, batch preparation, sampling).
+    pub model_forward_seconds: Counter,
     pub step_tokens: Histogram,
     pub step_duration: Histogram,
     pub queue_time: Histogram,
@@ -123,6 +126,17 @@ impl Metrics {
                 "rill_cancelled_tokens_total",
                 "Tokens (prompt + generated) held by requests when they were cancelled",
             ),
+            model_forward_seconds: {
+                let counter = Counter::new(
+                    "rill_model_forward_seconds_total",
+                    "Seconds the shards spent in the model forward itself",
+                )
+                .expect("valid counter");
+                registry
+                    .register(Box::new(counter.clone()))
+                    .expect("metric names are unique");
+                counter
+            },
             step_tokens: histogram(&registry, "rill_step_tokens", "Tokens computed per iteration", tokens),
             step_duration: histogram(
                 &registry,

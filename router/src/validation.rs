@@ -91,6 +91,8 @@ pub struct GenerateInput {
     pub skip_special_tokens: bool,
     /// Keep only the last `truncate` prompt tokens.
     pub truncate: Option<u32>,
+    /// Lower runs first; 0 is the default.
+    pub priority: i32,
 }
 
 impl GenerateInput {
@@ -119,6 +121,7 @@ impl GenerateInput {
             ignore_eos: false,
             skip_special_tokens: true,
             truncate: None,
+            priority: 0,
         }
     }
 }
@@ -160,6 +163,8 @@ pub struct ValidRequest {
     pub min_new_tokens: u32,
     pub skip_special_tokens: bool,
     pub top_n_tokens: u32,
+    /// Lower runs first.
+    pub priority: i32,
 }
 
 /// Checks requests against the limits, the vocabulary and the KV pool size; tokenizes off the runtime.
@@ -364,6 +369,7 @@ impl Validator {
             min_new_tokens: input.min_new_tokens,
             skip_special_tokens: input.skip_special_tokens,
             top_n_tokens: input.top_n_tokens,
+            priority: input.priority,
         })
     }
 }
@@ -379,6 +385,7 @@ mod tests {
             max_total_tokens: 20,
             max_stop_sequences: 2,
             max_concurrent_requests: 4,
+            max_waiting_requests: 4,
         };
         Validator::new(Arc::new(tokenizer), limits, 100, 16)
     }

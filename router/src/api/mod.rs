@@ -59,6 +59,9 @@ pub struct GenerateParameters {
     /// Prepend the prompt to `generated_text`.
     #[serde(default)]
     pub return_full_text: bool,
+    /// Scheduling priority: lower runs first, first come first served within a level. Default 0.
+    #[serde(default)]
+    pub priority: i32,
     /// Not implemented: accepted when null or 1.
     pub best_of: Option<u32>,
     /// Not implemented: accepted when false.

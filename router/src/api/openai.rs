@@ -74,6 +74,8 @@ pub struct SamplingFields {
     pub skip_special_tokens: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// vLLM extension: scheduling priority, lower runs first. Default 0.
+    pub priority: Option<i32>,
 }
 
 /// `POST /v1/completions`.

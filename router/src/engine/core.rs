@@ -5,6 +5,7 @@
 use std::{
     collections::{HashSet, VecDeque},
     sync::Arc,
+    time::{Duration, Instant},
 };
 
 use tokenizers::Tokenizer;
@@ -17,15 +18,28 @@ use super::{
 use crate::{
     kv::BlockAllocator,
     metrics::{Metrics, Outcome},
-    scheduler::{schedule, SchedulerConfig, StepPlan},
+    scheduler::{schedule, ItlBudget, SchedulerConfig, StepPlan},
     shard::{pb, ShardClient},
 };
+
+/// The engine's policy settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub scheduler: SchedulerConfig,
+    /// Keep running streams' inter-token latency under this many milliseconds (`--target-itl-ms`).
+    pub target_itl_ms: Option<f64>,
+    /// Fail requests that wait longer than this for admission (`--max-queue-time`).
+    pub max_queue_time: Option<Duration>,
+}
 
 pub struct EngineCore {
     shards: Arc<dyn ShardClient>,
     tokenizer: Arc<Tokenizer>,
     eos_token_ids: HashSet<u32>,
     config: SchedulerConfig,
+    max_queue_time: Option<Duration>,
+    /// Learns step time per token count and bounds the step's tokens, with `--target-itl-ms`.
+    itl_budget: Option<ItlBudget>,
     allocator: BlockAllocator,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
@@ -40,7 +54,7 @@ impl EngineCore {
         shards: Arc<dyn ShardClient>,
         tokenizer: Arc<Tokenizer>,
         eos_token_ids: HashSet<u32>,
-        config: SchedulerConfig,
+        config: EngineConfig,
         allocator: BlockAllocator,
         inbox: mpsc::UnboundedReceiver<NewRequest>,
         metrics: Arc<Metrics>,
@@ -49,7 +63,9 @@ impl EngineCore {
             shards,
             tokenizer,
             eos_token_ids,
-            config,
+            config: config.scheduler,
+            max_queue_time: config.max_queue_time,
+            itl_budget: config.target_itl_ms.map(ItlBudget::new),
             allocator,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -63,6 +79,9 @@ impl EngineCore {
 
     /// Runs until every `EngineHandle` is dropped.
     pub async fn run(mut self) {
+        if self.itl_budget.is_some() {
+            self.calibrate().await;
+        }
         loop {
             if self.waiting.is_empty() && self.running.is_empty() {
                 match self.inbox.recv().await {
@@ -74,6 +93,7 @@ impl EngineCore {
                 self.waiting.push_back(Sequence::new(new));
             }
             self.drop_cancelled();
+            self.expire_waiting();
             if self.waiting.is_empty() && self.running.is_empty() {
                 self.publish_stats();
                 continue;
@@ -88,15 +108,19 @@ impl EngineCore {
 
     async fn step(&mut self) {
         let allocator = &self.allocator;
-        let view = |seq: &Sequence| seq.view(allocator.num_freeable(&seq.blocks));
+        let now = Instant::now();
+        let view = |seq: &Sequence| seq.view(allocator.num_freeable(&seq.blocks), now);
         let running: Vec<_> = self.running.iter().map(view).collect();
         let waiting: Vec<_> = self.waiting.iter().map(view).collect();
-        let plan = schedule(
-            &self.config,
-            &running,
-            &waiting,
-            self.allocator.num_free_blocks() as usize,
-        );
+        let mut config = self.config;
+        if let Some(budget) = &self.itl_budget {
+            let num_decodes = running
+                .iter()
+                .filter(|s| s.num_tokens - s.num_computed_tokens == 1)
+                .count();
+            config.max_batch_tokens = budget.max_tokens(num_decodes + 1, config.max_batch_tokens);
+        }
+        let plan = schedule(&config, &running, &waiting, self.allocator.num_free_blocks() as usize);
         if plan.scheduled.is_empty() {
             // Nothing can run although the pool is as empty as it gets: the queue head can never fit.
             if self.running.is_empty() {
@@ -116,11 +140,18 @@ impl EngineCore {
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "step"
         );
+        let elapsed = started.elapsed().as_secs_f64();
         self.metrics.step_tokens.observe(plan.num_scheduled_tokens() as f64);
-        self.metrics.step_duration.observe(started.elapsed().as_secs_f64());
+        self.metrics.step_duration.observe(elapsed);
+        if let Some(budget) = &mut self.itl_budget {
+            budget.observe(plan.num_scheduled_tokens(), elapsed);
+        }
         match result {
             Ok(response) => {
                 self.metrics.mark_progress();
+                self.metrics
+                    .model_forward_seconds
+                    .inc_by(response.forward_time_us as f64 / 1e6);
                 self.apply_outputs(&plan, response)
             }
             Err(e) => self.fail_all(e.to_string()).await,
@@ -138,17 +169,24 @@ impl EngineCore {
             self.waiting.push_front(seq);
         }
         for &id in &plan.admitted {
-            let mut seq = self
+            let i = self
                 .waiting
-                .pop_front()
-                .expect("admitted requests are the head of the queue");
-            debug_assert_eq!(seq.id, id);
+                .iter()
+                .position(|seq| seq.id == id)
+                .expect("admitted requests wait");
+            let mut seq = self.waiting.remove(i).expect("index in range");
+            seq.waiting_permit = None;
             if seq.admitted_at.is_none() {
                 let now = std::time::Instant::now();
                 self.metrics.queue_time.observe((now - seq.arrived_at).as_secs_f64());
                 seq.admitted_at = Some(now);
             }
             self.running.push(seq);
+        }
+        // A request overtaken by later arrivals too often goes first next time (see the scheduler).
+        for seq in self.waiting.iter_mut() {
+            let overtakers = plan.admitted.iter().filter(|id| **id > seq.id).count() as u32;
+            seq.num_times_overtaken += overtakers;
         }
         let mut chunks = Vec::with_capacity(plan.scheduled.len());
         for scheduled in &plan.scheduled {
@@ -260,6 +298,74 @@ impl EngineCore {
                 let mut heir = forks.remove(0);
                 heir.forks = forks;
                 self.waiting.push_front(Sequence::new(heir));
+            }
+        }
+    }
+
+    /// Teaches the ITL budget the step time at a few token counts with synthetic forward passes, before
+    /// any request arrives. The budget keeps learning from every real step afterwards.
+    async fn calibrate(&mut self) {
+        const SIZES: [usize; 5] = [1, 8, 32, 128, 512];
+        let block_size = self.config.block_size;
+        for (k, &num_tokens) in SIZES.iter().chain(SIZES.iter()).enumerate() {
+            let num_tokens = num_tokens.min(self.config.max_batch_tokens);
+            let Some(blocks) = self.allocator.allocate(num_tokens.div_ceil(block_size) as u32) else {
+                break;
+            };
+            let id = u64::MAX - k as u64;
+            let request = pb::ForwardRequest {
+                released_ids: std::mem::take(&mut self.released_ids),
+                sequences: vec![pb::SequenceChunk {
+                    id,
+                    token_ids: vec![0; num_tokens],
+                    num_computed_tokens: 0,
+                    block_table: blocks.clone(),
+                    sample: true,
+                    params: Some(pb::SamplingParams::default()),
+                    cached_token_ids: Vec::new(),
+                }],
+            };
+            let started = Instant::now();
+            let result = self.shards.forward(request, num_tokens == 1).await;
+            self.allocator.free(&blocks).expect("calibration blocks are ours");
+            self.released_ids.push(id);
+            match result {
+                Ok(_) => {
+                    if let Some(budget) = &mut self.itl_budget {
+                        budget.observe(num_tokens, started.elapsed().as_secs_f64());
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "step-time calibration failed; the ITL budget learns while serving");
+                    break;
+                }
+            }
+        }
+        if let Some(budget) = &self.itl_budget {
+            tracing::info!(
+                max_step_tokens = budget.max_tokens(1, self.config.max_batch_tokens),
+                "calibrated the step token budget for --target-itl-ms"
+            );
+        }
+    }
+
+    /// Fails requests that have waited for admission longer than `--max-queue-time`.
+    fn expire_waiting(&mut self) {
+        let Some(limit) = self.max_queue_time else { return };
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let seq = &self.waiting[i];
+            if seq.admitted_at.is_none() && now - seq.arrived_at > limit {
+                let mut seq = self.waiting.remove(i).expect("index in range");
+                tracing::info!(request_id = %seq.id, "expired: waited longer than --max-queue-time");
+                seq.fail(EngineError::QueueTimeout(limit.as_secs()));
+                for _ in 0..=seq.forks.len() {
+                    self.metrics.count_request(Outcome::Failed);
+                }
+                self.release(&mut seq);
+            } else {
+                i += 1;
             }
         }
     }

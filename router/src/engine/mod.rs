@@ -13,7 +13,7 @@ use std::sync::{
 use thiserror::Error;
 use tokio::sync::mpsc;
 
-pub use self::core::EngineCore;
+pub use self::core::{EngineConfig, EngineCore};
 use crate::{api::FinishReason, metrics::Metrics, validation::ValidRequest};
 
 /// A request's id, unique for the router's lifetime; it is also the sequence id the shards see.
@@ -34,6 +34,8 @@ pub enum EngineError {
     Detokenize(String),
     #[error("the engine is shutting down")]
     Closed,
+    #[error("the request waited {0} s in the queue, more than --max-queue-time")]
+    QueueTimeout(u64),
 }
 
 /// One generated token and the text it released.
@@ -73,6 +75,8 @@ pub struct NewRequest {
     /// Further choices of the same prompt (`n > 1`): they start once this request's prompt is computed,
     /// sharing its KV blocks.
     pub forks: Vec<NewRequest>,
+    /// A place in the bounded waiting queue (`--max-waiting-requests`), given back at admission.
+    pub waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// The handlers' side of the engine: cheap to clone.
@@ -95,7 +99,12 @@ impl EngineHandle {
     /// Queues `n` choices of the same prompt; choice i samples with seed `seed + i`. The prompt is
     /// computed once and its KV blocks shared. Dropping a receiver cancels that choice: the engine
     /// notices within one iteration, tells the shards, and frees its blocks.
-    pub fn submit_n(&self, request: ValidRequest, n: u32) -> Result<Vec<EventReceiver>, EngineError> {
+    pub fn submit_n(
+        &self,
+        request: ValidRequest,
+        n: u32,
+        waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<Vec<EventReceiver>, EngineError> {
         let mut receivers = Vec::with_capacity(n as usize);
         let mut choices: Vec<NewRequest> = (0..n.max(1))
             .map(|i| {
@@ -108,11 +117,13 @@ impl EngineHandle {
                     request,
                     events,
                     forks: Vec::new(),
+                    waiting_permit: None,
                 }
             })
             .collect();
         let mut first = choices.remove(0);
         first.forks = choices;
+        first.waiting_permit = waiting_permit;
         self.inbox.send(first).map_err(|_| EngineError::Closed)?;
         Ok(receivers)
     }

@@ -35,6 +35,10 @@ pub struct Sequence {
     pub admitted_at: Option<Instant>,
     /// When its latest token was sampled.
     pub last_token_at: Option<Instant>,
+    /// How often a request that arrived later was admitted while this one waited.
+    pub num_times_overtaken: u32,
+    /// Holds a place in the bounded waiting queue until the first admission.
+    pub waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
     request: ValidRequest,
     events: EventSender,
     detokenizer: IncrementalDetokenizer,
@@ -58,6 +62,7 @@ impl Sequence {
             request,
             events,
             forks,
+            waiting_permit,
         } = new;
         Self {
             id,
@@ -71,6 +76,8 @@ impl Sequence {
             arrived_at: Instant::now(),
             admitted_at: None,
             last_token_at: None,
+            num_times_overtaken: 0,
+            waiting_permit,
             detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, request.skip_special_tokens),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),
@@ -79,13 +86,16 @@ impl Sequence {
         }
     }
 
-    pub fn view(&self, num_freeable_blocks: usize) -> SeqView {
+    pub fn view(&self, num_freeable_blocks: usize, now: Instant) -> SeqView {
         SeqView {
             id: self.id,
             num_tokens: self.token_ids.len(),
             num_computed_tokens: self.num_computed_tokens,
             num_blocks: self.blocks.len(),
             num_freeable_blocks,
+            priority: self.request.priority,
+            num_times_overtaken: self.num_times_overtaken,
+            waited_ms: (now - self.arrived_at).as_millis() as u64,
         }
     }
 

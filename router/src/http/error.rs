@@ -32,6 +32,10 @@ pub enum ApiError {
     ModelNotFound(String, String),
     #[error("the server has --max-concurrent-requests = {0} requests in flight; retry later")]
     Overloaded(u32),
+    #[error("the queue holds --max-waiting-requests = {0} requests; retry later")]
+    QueueFull(u32),
+    #[error("the server is shutting down")]
+    ShuttingDown,
     #[error("{0}")]
     Engine(#[from] EngineError),
 }
@@ -55,7 +59,9 @@ impl ApiError {
             ApiError::Unsupported { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
-            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded(_) | ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Engine(EngineError::QueueTimeout(_)) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::Closed) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::Shard(_) | EngineError::Detokenize(_)) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -64,7 +70,8 @@ impl ApiError {
     /// The TGI `error_type` name.
     pub fn error_type(&self) -> &'static str {
         match self {
-            ApiError::Overloaded(_) => "overloaded",
+            ApiError::Overloaded(_) | ApiError::QueueFull(_) => "overloaded",
+            ApiError::ShuttingDown => "unavailable",
             ApiError::ModelNotFound(..) => "model_not_found",
             ApiError::Engine(_) => "generation",
             _ => "validation",
@@ -93,7 +100,7 @@ impl ApiError {
         let status = self.status();
         let (kind, code) = match self {
             ApiError::ModelNotFound(..) => ("invalid_request_error", Some("model_not_found")),
-            ApiError::Overloaded(_) => ("rate_limit_error", Some("rate_limit_exceeded")),
+            ApiError::Overloaded(_) | ApiError::QueueFull(_) => ("rate_limit_error", Some("rate_limit_exceeded")),
             _ if status.is_server_error() => ("server_error", None),
             _ => ("invalid_request_error", None),
         };

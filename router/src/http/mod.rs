@@ -9,7 +9,10 @@ mod service;
 #[cfg(test)]
 mod tests;
 
-use std::sync::Arc;
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc,
+};
 
 use axum::{
     routing::{get, post},
@@ -36,6 +39,10 @@ pub struct AppState {
     pub validator: Validator,
     /// One permit per sequence in the server; none left means 429.
     pub admission: Arc<Semaphore>,
+    /// One permit per request waiting for admission (`--max-waiting-requests`); none left means 429.
+    pub waiting: Arc<Semaphore>,
+    /// Set on SIGTERM: new requests get 503 while those in flight finish.
+    pub draining: Arc<AtomicBool>,
     pub chat_template: Option<Arc<ChatTemplate>>,
     pub model_id: String,
     /// The model name of the OpenAI API.
@@ -102,6 +109,9 @@ pub fn app(state: AppState) -> Router {
 
 /// Takes one admission permit per sequence, at once or not at all (429).
 fn acquire(state: &AppState, num_sequences: u32) -> Result<OwnedSemaphorePermit, ApiError> {
+    if state.draining.load(Ordering::SeqCst) {
+        return Err(ApiError::ShuttingDown);
+    }
     let max = state.limits.max_concurrent_requests;
     if num_sequences > max {
         return Err(ApiError::Unprocessable(format!(
@@ -127,7 +137,11 @@ async fn submit(
     let valid = state.validator.validate(input).await.inspect_err(|_| {
         state.engine.metrics.count_request(Outcome::Invalid);
     })?;
-    let receivers = state.engine.submit_n(valid.clone(), n)?;
+    let waiting_permit = state.waiting.clone().try_acquire_owned().map_err(|_| {
+        state.engine.metrics.count_request(Outcome::Overloaded);
+        ApiError::QueueFull(state.limits.max_waiting_requests)
+    })?;
+    let receivers = state.engine.submit_n(valid.clone(), n, Some(waiting_permit))?;
     Ok((valid, receivers))
 }
 

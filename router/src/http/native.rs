@@ -66,6 +66,7 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     input.frequency_penalty = parameters.frequency_penalty;
     input.top_n_tokens = parameters.top_n_tokens.unwrap_or(0);
     input.truncate = parameters.truncate;
+    input.priority = parameters.priority;
     Ok(input)
 }
 

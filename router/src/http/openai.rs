@@ -93,6 +93,7 @@ fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<
     input.ignore_eos = fields.ignore_eos;
     input.stop_token_ids = fields.stop_token_ids.clone().unwrap_or_default();
     input.skip_special_tokens = fields.skip_special_tokens.unwrap_or(true);
+    input.priority = fields.priority.unwrap_or(0);
     if let Some(bias) = &fields.logit_bias {
         for (key, &value) in bias {
             let id: u32 = key

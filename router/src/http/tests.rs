@@ -1,6 +1,10 @@
 //! HTTP tests: the real app, engine, scheduler and allocator against the fake shard, via `oneshot`.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{atomic::AtomicBool, Arc},
+    time::Duration,
+};
 
 use axum::{
     body::Body,
@@ -16,11 +20,11 @@ use tower::ServiceExt;
 use super::{app, AppState};
 use crate::{
     chat_template::ChatTemplate,
-    config::{BatchConfig, LimitsConfig},
-    engine::{EngineCore, EngineHandle},
+    config::{BatchConfig, LimitsConfig, Scheduling},
+    engine::{EngineConfig, EngineCore, EngineHandle},
     kv::BlockAllocator,
     metrics::{Metrics, Outcome},
-    scheduler::SchedulerConfig,
+    scheduler::{BatchingMode, SchedulerConfig},
     shard::{
         fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
         ShardClient,
@@ -59,17 +63,28 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
         max_total_tokens: 128,
         max_stop_sequences: 4,
         max_concurrent_requests,
+        max_waiting_requests: max_concurrent_requests,
     };
     let batch = BatchConfig {
         max_batch_tokens: 16,
         max_batch_size: 8,
         max_batch_total_tokens: 0,
+        scheduling: Scheduling::Continuous,
+        static_batch_wait_ms: 0,
+        target_itl_ms: None,
+        max_queue_time: None,
     };
-    let scheduler = SchedulerConfig {
-        max_batch_tokens: 16,
-        max_batch_size: 8,
-        block_size: 4,
-        watermark_blocks: 1,
+    let scheduler = EngineConfig {
+        scheduler: SchedulerConfig {
+            max_batch_tokens: 16,
+            max_batch_size: 8,
+            block_size: 4,
+            watermark_blocks: 1,
+            mode: BatchingMode::Continuous,
+            max_times_overtaken: 8,
+        },
+        target_itl_ms: None,
+        max_queue_time: None,
     };
     let tokenizer = Arc::new(tokenizer());
     let metrics = Arc::new(Metrics::new());
@@ -93,6 +108,8 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
             ((num_blocks - 2) * 4) as usize,
         ),
         admission: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
+        waiting: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
+        draining: Arc::new(AtomicBool::new(false)),
         chat_template: Some(Arc::new(
             ChatTemplate::new(
                 "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}".into(),
@@ -476,7 +493,7 @@ async fn a_dropped_stream_is_cancelled_and_frees_its_blocks() {
         server
             .state
             .engine
-            .submit_n(valid, 1)
+            .submit_n(valid, 1, None)
             .expect("submitted")
             .pop()
             .expect("one")
@@ -497,4 +514,27 @@ async fn ready_reports_the_shards() {
         .expect("valid request");
     let response = server.app.clone().oneshot(request).await.expect("infallible");
     assert_eq!(response.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_draining_server_refuses_new_requests_with_503() {
+    let server = server(64, 16).await;
+    server.state.draining.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (status, _, text) = post(&server.app, "/generate", json!({"inputs": "w1"})).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+}
+
+#[tokio::test]
+async fn a_full_waiting_queue_gets_429() {
+    let server = server(64, 16).await;
+    let _all = server
+        .state
+        .waiting
+        .clone()
+        .try_acquire_many_owned(16)
+        .expect("all waiting permits");
+    let (status, headers, text) = post(&server.app, "/generate", json!({"inputs": "w1"})).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
+    assert!(text.contains("max-waiting-requests"));
+    assert_eq!(headers["retry-after"], "1");
 }

@@ -104,6 +104,12 @@ impl BlockAllocator {
         Ok(())
     }
 
+    /// Holders of `block`: 0 for a free block, the null block, or an id outside the pool.
+    #[cfg_attr(not(test), allow(dead_code))] // the prefix cache's eviction predicate; unused until it is wired in
+    pub fn ref_count(&self, block: u32) -> u32 {
+        self.ref_counts.get(block as usize).copied().unwrap_or(0)
+    }
+
     /// How many of these blocks would return to the pool if their holder let go of them.
     pub fn num_freeable(&self, blocks: &[u32]) -> usize {
         blocks.iter().filter(|&&b| self.ref_counts[b as usize] == 1).count()

@@ -1,6 +1,12 @@
-//! KV memory owned by the router: which blocks of the shards' KV pools are free and which hold a sequence.
+//! KV memory owned by the router: which blocks of the shards' KV pools are free and which hold a sequence,
+//! and the prefix cache of blocks already computed for token prefixes.
 //! Plain data structures, no I/O; the scheduler consults them and the engine loop applies its plans to them.
 
 mod block_allocator;
+// Only the tests use the prefix cache until the engine wires it in; drop these allowances then.
+#[cfg_attr(not(test), allow(dead_code))]
+mod radix;
 
 pub use block_allocator::BlockAllocator;
+#[allow(unused_imports)]
+pub use radix::{PrefixMatch, RadixCache};

@@ -1,12 +1,28 @@
 //! Scheduling policy: a pure function from (running sequences, waiting queue, free KV blocks, budgets)
-//! to the plan of one iteration. No I/O, no clock, no allocator mutation: the engine loop executes plans.
+//! to the plan of one iteration. No I/O, no allocator mutation, and no clock of its own: waiting times
+//! come in the views, measured by the engine. The engine loop executes plans.
 //!
 //! The token model (vLLM V1's): every sequence has `num_tokens` (prompt + generated) and
 //! `num_computed_tokens` (whose K/V are in the cache). A plan gives each scheduled sequence
 //! `num_scheduled_tokens`. Prefill, chunked prefill and decode are derived facts, not code paths: a decode
 //! is one scheduled token; a chunk is fewer scheduled tokens than the sequence lacks.
 
+mod budget;
+
+pub use budget::ItlBudget;
+
 use crate::engine::RequestId;
+
+/// How batches form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchingMode {
+    /// Iteration-level scheduling: sequences leave and join at every step.
+    Continuous,
+    /// Classic static batching, kept as a benchmark baseline: a batch forms when `max_batch_size`
+    /// requests wait or the oldest has waited `max_wait_ms`, then runs until all its sequences end; nothing
+    /// joins it meanwhile.
+    Static { max_wait_ms: u64 },
+}
 
 /// Budgets of one iteration and the KV geometry the plan is made in.
 #[derive(Debug, Clone, Copy)]
@@ -19,6 +35,10 @@ pub struct SchedulerConfig {
     pub block_size: usize,
     /// Free blocks that admission leaves for running sequences to grow into.
     pub watermark_blocks: usize,
+    pub mode: BatchingMode,
+    /// A waiting request that later arrivals have overtaken this many times (by priority) is admitted
+    /// before anything else: the bound that keeps low priorities from starving.
+    pub max_times_overtaken: u32,
 }
 
 /// What the policy sees of one sequence.
@@ -33,6 +53,12 @@ pub struct SeqView {
     pub num_blocks: usize,
     /// Of those, the blocks no other sequence holds: what preempting it would free.
     pub num_freeable_blocks: usize,
+    /// Lower runs first; 0 is the default.
+    pub priority: i32,
+    /// How often a request that arrived later was admitted while this one waited.
+    pub num_times_overtaken: u32,
+    /// How long it has waited since arrival, in milliseconds of the engine's clock.
+    pub waited_ms: u64,
 }
 
 /// One sequence's share of an iteration.
@@ -50,10 +76,10 @@ pub struct Scheduled {
 pub struct StepPlan {
     /// Sequences of the forward pass: running decodes, running prompts mid-prefill, then admitted ones.
     pub scheduled: Vec<Scheduled>,
-    /// Waiting sequences admitted this step; always a prefix of the waiting queue, in order.
+    /// Waiting sequences admitted this step, in admission order.
     pub admitted: Vec<RequestId>,
-    /// Running sequences suspended to free their blocks (newest first); they go back to the front of the
-    /// waiting queue and recompute their K/V when readmitted.
+    /// Running sequences suspended to free their blocks; they go back to the front of the waiting queue
+    /// and recompute their K/V when readmitted.
     pub preempted: Vec<RequestId>,
 }
 
@@ -72,17 +98,32 @@ fn num_blocks_for(num_tokens: usize, block_size: usize) -> usize {
     num_tokens.div_ceil(block_size)
 }
 
-/// Plans one iteration, first come first served.
+/// The order in which waiting requests may be admitted: starving ones (overtaken too often) first in
+/// arrival order, then by priority (lower first), arrival order within a level. `waiting` is in arrival
+/// order.
+pub fn admission_order(waiting: &[SeqView], max_times_overtaken: u32) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..waiting.len()).collect();
+    order.sort_by_key(|&i| {
+        let seq = &waiting[i];
+        let is_starving = seq.num_times_overtaken >= max_times_overtaken;
+        (!is_starving, if is_starving { 0 } else { seq.priority }, i)
+    });
+    order
+}
+
+/// Plans one iteration.
 ///
 /// 1. Running sequences get what they lack within the token budget: decodes first (one token each),
 ///    then sequences mid-prefill (the rest of their prompt). Decodes therefore always run, and a long
 ///    prompt only ever takes what is left of the budget: it never stalls running streams.
-/// 2. If a running sequence needs a block and none is free, the newest running sequence is preempted
-///    (it has done the least work, so recomputing it costs least) until the block fits; if the needy
-///    sequence is itself the newest, it is the one suspended.
-/// 3. Waiting requests are admitted in queue order while the budget, the batch size and the free blocks
-///    above the watermark allow; admission stops at the first request that does not fit, so no request is
-///    overtaken (no starvation), and none is admitted in a step that had to preempt.
+/// 2. If a running sequence needs a block and none is free, a victim is preempted until the block fits:
+///    the lowest priority first (it matters least), and among equals the one with the fewest computed
+///    tokens (its suspension throws away the least work). A sequence that is itself the only candidate
+///    left suspends itself.
+/// 3. Waiting requests are admitted in `admission_order` while the budget, the batch size and the free
+///    blocks above the watermark allow; admission stops at the first request that does not fit (so no
+///    request is passed by one that merely fits better), and none is admitted in a step that had to
+///    preempt. In static mode nothing joins a running batch.
 pub fn schedule(
     config: &SchedulerConfig,
     running: &[SeqView],
@@ -114,12 +155,12 @@ pub fn schedule(
             if num_tokens > 0 && seq.num_computed_tokens + num_tokens <= capacity {
                 break;
             }
-            let newest = pending
+            let victim = pending
                 .iter()
                 .enumerate()
-                .max_by_key(|(_, (age, _))| *age)
+                .max_by_key(|(_, (age, v))| (v.priority, std::cmp::Reverse(v.num_computed_tokens), *age))
                 .map(|(i, _)| i);
-            match newest {
+            match victim {
                 Some(i) => {
                     let (_, victim) = pending.remove(i);
                     free_blocks += victim.num_freeable_blocks;
@@ -147,7 +188,15 @@ pub fn schedule(
     if !plan.preempted.is_empty() {
         return plan;
     }
-    for seq in waiting {
+    if let BatchingMode::Static { max_wait_ms } = config.mode {
+        let is_batch_ready =
+            waiting.len() >= config.max_batch_size || waiting.iter().any(|w| w.waited_ms >= max_wait_ms);
+        if !running.is_empty() || !is_batch_ready {
+            return plan;
+        }
+    }
+    for i in admission_order(waiting, config.max_times_overtaken) {
+        let seq = &waiting[i];
         if plan.scheduled.len() == config.max_batch_size || tokens_left == 0 {
             break;
         }
