@@ -61,6 +61,9 @@ pub struct Args {
     /// step time measured at warmup and while serving; unset = a fixed --max-batch-tokens budget.
     #[arg(long)]
     pub target_itl_ms: Option<f64>,
+    /// Turn off the prefix cache (on by default: computed prompt blocks are kept and reused).
+    #[arg(long)]
+    pub no_prefix_caching: bool,
     /// On SIGTERM: refuse new requests (503) and let requests in flight finish for up to this many seconds.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -95,6 +98,7 @@ pub struct BatchConfig {
     pub static_batch_wait_ms: u64,
     pub target_itl_ms: Option<f64>,
     pub max_queue_time: Option<Duration>,
+    pub prefix_caching: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -151,6 +155,7 @@ impl Config {
                 static_batch_wait_ms: args.static_batch_wait_ms,
                 target_itl_ms: args.target_itl_ms,
                 max_queue_time: (args.max_queue_time > 0).then(|| Duration::from_secs(args.max_queue_time)),
+                prefix_caching: !args.no_prefix_caching,
             },
         })
     }

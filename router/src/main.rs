@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, Semaphore};
 use crate::{
     config::{Args, Config, Scheduling},
     engine::{EngineConfig, EngineCore, EngineHandle},
-    kv::BlockAllocator,
+    kv::KvPool,
     scheduler::{BatchingMode, SchedulerConfig},
     shard::{pb, GrpcShards, ShardClient},
     validation::Validator,
@@ -69,9 +69,9 @@ async fn main() -> anyhow::Result<()> {
         })
         .await
         .context("shard Warmup failed")?;
-    let allocator = BlockAllocator::new(warmup.num_blocks);
     let block_size = shard_info.block_size as usize;
-    let num_usable_blocks = allocator.num_usable_blocks() as usize;
+    let kv = KvPool::new(warmup.num_blocks, block_size, config.batch.prefix_caching);
+    let num_usable_blocks = kv.num_usable_blocks() as usize;
     anyhow::ensure!(num_usable_blocks > 0, "the shards' KV pool has no usable block");
     // Admission leaves 1% of the pool (at least one block) for running sequences to grow into.
     let watermark_blocks = (num_usable_blocks / 100).max(1).min(num_usable_blocks - 1);
@@ -79,6 +79,7 @@ async fn main() -> anyhow::Result<()> {
         blocks = num_usable_blocks,
         block_size,
         kv_tokens = num_usable_blocks * block_size,
+        prefix_caching = config.batch.prefix_caching,
         "KV pool ready"
     );
 
@@ -107,7 +108,7 @@ async fn main() -> anyhow::Result<()> {
         tokenizer.clone(),
         eos_token_ids,
         engine_config,
-        allocator,
+        kv,
         inbox_rx,
         metrics.clone(),
     );

@@ -41,6 +41,13 @@ pub struct Metrics {
     pub running_sequences: IntGauge,
     pub kv_blocks_total: IntGauge,
     pub kv_blocks_free: IntGauge,
+    /// Cached blocks no sequence holds: they serve prefix hits and are evicted when blocks run short.
+    pub kv_blocks_cached_idle: IntGauge,
+    pub prefix_cache_blocks: IntGauge,
+    pub prefix_cache_queried_tokens: IntCounter,
+    pub prefix_cache_hit_tokens: IntCounter,
+    pub prefix_cache_inserted_blocks: IntCounter,
+    pub prefix_cache_evicted_blocks: IntCounter,
     pub prompt_tokens_computed: IntCounter,
     pub generated_tokens: IntCounter,
     pub preemptions: IntCounter,
@@ -110,6 +117,32 @@ impl Metrics {
             running_sequences: gauge(&registry, "rill_running_sequences", "Sequences being computed"),
             kv_blocks_total: gauge(&registry, "rill_kv_blocks_total", "KV blocks a sequence can use"),
             kv_blocks_free: gauge(&registry, "rill_kv_blocks_free", "KV blocks free now"),
+            kv_blocks_cached_idle: gauge(
+                &registry,
+                "rill_kv_blocks_cached_idle",
+                "Cached KV blocks no sequence holds (evictable)",
+            ),
+            prefix_cache_blocks: gauge(&registry, "rill_prefix_cache_blocks", "KV blocks in the prefix cache"),
+            prefix_cache_queried_tokens: counter(
+                &registry,
+                "rill_prefix_cache_queried_tokens_total",
+                "Prompt tokens looked up in the prefix cache at first admission",
+            ),
+            prefix_cache_hit_tokens: counter(
+                &registry,
+                "rill_prefix_cache_hit_tokens_total",
+                "Prompt tokens found in the prefix cache (not computed)",
+            ),
+            prefix_cache_inserted_blocks: counter(
+                &registry,
+                "rill_prefix_cache_inserted_blocks_total",
+                "KV blocks entered into the prefix cache",
+            ),
+            prefix_cache_evicted_blocks: counter(
+                &registry,
+                "rill_prefix_cache_evicted_blocks_total",
+                "KV blocks evicted from the prefix cache to make room",
+            ),
             prompt_tokens_computed: counter(
                 &registry,
                 "rill_prompt_tokens_computed_total",

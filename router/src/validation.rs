@@ -93,6 +93,8 @@ pub struct GenerateInput {
     pub truncate: Option<u32>,
     /// Lower runs first; 0 is the default.
     pub priority: i32,
+    /// Prefix-cache namespace: requests with different salts never share cached blocks.
+    pub cache_salt: Option<String>,
 }
 
 impl GenerateInput {
@@ -122,6 +124,7 @@ impl GenerateInput {
             skip_special_tokens: true,
             truncate: None,
             priority: 0,
+            cache_salt: None,
         }
     }
 }
@@ -165,6 +168,8 @@ pub struct ValidRequest {
     pub top_n_tokens: u32,
     /// Lower runs first.
     pub priority: i32,
+    /// Prefix-cache namespace (a hash of the request's `cache_salt`; 0 = the shared namespace).
+    pub cache_salt: u64,
 }
 
 /// Checks requests against the limits, the vocabulary and the KV pool size; tokenizes off the runtime.
@@ -370,8 +375,17 @@ impl Validator {
             skip_special_tokens: input.skip_special_tokens,
             top_n_tokens: input.top_n_tokens,
             priority: input.priority,
+            cache_salt: input.cache_salt.as_deref().map_or(0, salt_namespace),
         })
     }
+}
+
+/// A salt's cache namespace: a fixed-key hash, never 0 (the namespace of unsalted requests).
+fn salt_namespace(salt: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    salt.hash(&mut hasher);
+    hasher.finish().max(1)
 }
 
 #[cfg(test)]
@@ -422,6 +436,19 @@ mod tests {
         assert!(matches!(error, ValidationError::ExceedsKvPool(17, 16, _)));
         let error = validator().validate_tokens(vec![1, 500], input(|_| {})).unwrap_err();
         assert!(error.to_string().contains("token id 500"));
+    }
+
+    #[test]
+    fn salts_get_their_own_namespaces() {
+        let salted = |salt: Option<&str>| {
+            check_input(2, input(|i| i.cache_salt = salt.map(str::to_owned)))
+                .expect("valid")
+                .cache_salt
+        };
+        assert_eq!(salted(None), 0);
+        assert_ne!(salted(Some("tenant-a")), 0);
+        assert_ne!(salted(Some("tenant-a")), salted(Some("tenant-b")));
+        assert_eq!(salted(Some("tenant-a")), salted(Some("tenant-a")));
     }
 
     #[test]

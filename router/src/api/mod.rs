@@ -62,6 +62,8 @@ pub struct GenerateParameters {
     /// Scheduling priority: lower runs first, first come first served within a level. Default 0.
     #[serde(default)]
     pub priority: i32,
+    /// Prefix-cache isolation: requests with different salts never share cached KV blocks.
+    pub cache_salt: Option<String>,
     /// Not implemented: accepted when null or 1.
     pub best_of: Option<u32>,
     /// Not implemented: accepted when false.
@@ -185,10 +187,16 @@ pub struct Info {
 pub struct KvInfo {
     /// Tokens per block.
     pub block_size: u32,
-    /// Blocks a sequence can use (the pool minus the null block).
+    /// Blocks a sequence can use (the pool minus the null block); total = free + cached + used.
     pub total_blocks: u32,
+    /// Blocks on the free list.
     pub free_blocks: u32,
+    /// Blocks only the prefix cache holds: they serve prefix hits and are evicted when blocks run short.
+    pub cached_blocks: u32,
+    /// Blocks held by sequences (some of them may also be in the prefix cache).
     pub used_blocks: u32,
+    /// All blocks in the prefix cache, held by sequences or not.
+    pub prefix_cache_blocks: u32,
     pub waiting_requests: u32,
     pub running_requests: u32,
     /// Prompt tokens computed by the shards since start (prefix-cache hits and shared prompts excluded).

@@ -76,6 +76,8 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// vLLM extension: scheduling priority, lower runs first. Default 0.
     pub priority: Option<i32>,
+    /// vLLM extension: prefix-cache isolation; requests with different salts never share cached blocks.
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/completions`.

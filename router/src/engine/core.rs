@@ -1,6 +1,7 @@
-//! The iteration loop. Each step: take new requests, drop cancelled ones, ask the scheduler for a plan,
-//! apply it to the allocator, run one forward pass on the shards (the only `.await` on the hot path),
-//! then apply the sampled tokens: text, stop checks, events, and freeing the blocks of finished sequences.
+//! The iteration loop. Each step: take new requests, drop cancelled ones, ask the scheduler for a plan
+//! (waiting requests seen with their cached prefixes), apply it to the KV pool, run one forward pass on
+//! the shards (the only `.await` on the hot path), then apply the sampled tokens: text, stop checks,
+//! events, caching newly computed prompt blocks, and releasing the blocks of finished sequences.
 
 use std::{
     collections::{HashSet, VecDeque},
@@ -16,9 +17,9 @@ use super::{
     EngineError, NewRequest, RequestId,
 };
 use crate::{
-    kv::BlockAllocator,
+    kv::{CacheActivity, KvPool},
     metrics::{Metrics, Outcome},
-    scheduler::{schedule, ItlBudget, SchedulerConfig, StepPlan},
+    scheduler::{schedule, ItlBudget, SchedulerConfig, SeqView, StepPlan},
     shard::{pb, ShardClient},
 };
 
@@ -40,7 +41,7 @@ pub struct EngineCore {
     max_queue_time: Option<Duration>,
     /// Learns step time per token count and bounds the step's tokens, with `--target-itl-ms`.
     itl_budget: Option<ItlBudget>,
-    allocator: BlockAllocator,
+    kv: KvPool,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     /// Sequences the shards hold state for that are gone since the last call; sent with the next call.
@@ -55,7 +56,7 @@ impl EngineCore {
         tokenizer: Arc<Tokenizer>,
         eos_token_ids: HashSet<u32>,
         config: EngineConfig,
-        allocator: BlockAllocator,
+        kv: KvPool,
         inbox: mpsc::UnboundedReceiver<NewRequest>,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -66,7 +67,7 @@ impl EngineCore {
             config: config.scheduler,
             max_queue_time: config.max_queue_time,
             itl_budget: config.target_itl_ms.map(ItlBudget::new),
-            allocator,
+            kv,
             waiting: VecDeque::new(),
             running: Vec::new(),
             released_ids: Vec::new(),
@@ -100,18 +101,20 @@ impl EngineCore {
             }
             self.step().await;
             if cfg!(debug_assertions) {
-                self.allocator.check_invariants();
+                self.kv.check_invariants();
             }
             self.publish_stats();
         }
     }
 
     async fn step(&mut self) {
-        let allocator = &self.allocator;
         let now = Instant::now();
-        let view = |seq: &Sequence| seq.view(allocator.num_freeable(&seq.blocks), now);
-        let running: Vec<_> = self.running.iter().map(view).collect();
-        let waiting: Vec<_> = self.waiting.iter().map(view).collect();
+        let running: Vec<_> = self
+            .running
+            .iter()
+            .map(|seq| seq.view(self.kv.num_freeable(&seq.blocks), now))
+            .collect();
+        let waiting = self.waiting_views(now);
         let mut config = self.config;
         if let Some(budget) = &self.itl_budget {
             let num_decodes = running
@@ -120,7 +123,7 @@ impl EngineCore {
                 .count();
             config.max_batch_tokens = budget.max_tokens(num_decodes + 1, config.max_batch_tokens);
         }
-        let plan = schedule(&config, &running, &waiting, self.allocator.num_free_blocks() as usize);
+        let plan = schedule(&config, &running, &waiting, self.kv.num_available_blocks());
         if plan.scheduled.is_empty() {
             // Nothing can run although the pool is as empty as it gets: the queue head can never fit.
             if self.running.is_empty() {
@@ -176,10 +179,29 @@ impl EngineCore {
                 .expect("admitted requests wait");
             let mut seq = self.waiting.remove(i).expect("index in range");
             seq.waiting_permit = None;
-            if seq.admitted_at.is_none() {
+            let is_first_admission = seq.admitted_at.is_none();
+            if is_first_admission {
                 let now = std::time::Instant::now();
                 self.metrics.queue_time.observe((now - seq.arrived_at).as_secs_f64());
                 seq.admitted_at = Some(now);
+            }
+            if seq.blocks.is_empty() {
+                // The same match the scheduler saw: nothing changed the cache since.
+                let hit = self
+                    .kv
+                    .match_prefix(seq.cache_salt(), &seq.token_ids, seq.token_ids.len() - 1);
+                self.kv.attach(&hit.blocks);
+                seq.blocks = hit.blocks;
+                seq.num_computed_tokens = hit.num_tokens;
+                if is_first_admission {
+                    seq.num_cached_tokens = hit.num_tokens.min(seq.num_prompt_tokens);
+                    self.metrics
+                        .prefix_cache_queried_tokens
+                        .inc_by(seq.num_prompt_tokens as u64);
+                    self.metrics
+                        .prefix_cache_hit_tokens
+                        .inc_by(seq.num_cached_tokens as u64);
+                }
             }
             self.running.push(seq);
         }
@@ -189,12 +211,13 @@ impl EngineCore {
             seq.num_times_overtaken += overtakers;
         }
         let mut chunks = Vec::with_capacity(plan.scheduled.len());
+        let mut activity = CacheActivity::default();
         for scheduled in &plan.scheduled {
             let i = self.running_index(scheduled.id);
             let blocks = self
-                .allocator
-                .allocate(scheduled.num_new_blocks as u32)
-                .expect("the plan fits the free blocks");
+                .kv
+                .allocate(scheduled.num_new_blocks, &mut activity)
+                .expect("the plan fits the free and evictable blocks");
             let seq = &mut self.running[i];
             seq.blocks.extend(blocks);
             let start = seq.num_computed_tokens;
@@ -205,6 +228,7 @@ impl EngineCore {
             self.metrics.prompt_tokens_computed.inc_by(num_prompt_tokens as u64);
             chunks.push(seq.chunk(scheduled.num_scheduled_tokens, &self.eos_token_ids));
         }
+        self.count_cache_activity(activity);
         pb::ForwardRequest {
             released_ids: std::mem::take(&mut self.released_ids),
             sequences: chunks,
@@ -212,10 +236,23 @@ impl EngineCore {
     }
 
     fn apply_outputs(&mut self, plan: &StepPlan, response: pb::ForwardResponse) {
+        let mut activity = CacheActivity::default();
         for scheduled in &plan.scheduled {
             let i = self.running_index(scheduled.id);
             let seq = &mut self.running[i];
+            let was_in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens;
             seq.num_computed_tokens += scheduled.num_scheduled_tokens;
+            if was_in_prompt {
+                // Full prompt blocks enter the cache as soon as they are computed, so requests in flight
+                // with the same prefix share them.
+                let num_tokens = seq.num_computed_tokens.min(seq.num_prompt_tokens);
+                self.kv.cache(
+                    seq.cache_salt(),
+                    &seq.token_ids[..num_tokens],
+                    &seq.blocks,
+                    &mut activity,
+                );
+            }
             if seq.num_computed_tokens >= seq.num_prompt_tokens && !seq.forks.is_empty() {
                 self.start_forks(i);
             }
@@ -261,9 +298,7 @@ impl EngineCore {
         let forks = std::mem::take(&mut self.running[i].forks);
         for new in forks {
             let child = self.running[i].fork(new, self.config.block_size);
-            self.allocator
-                .share(&child.blocks)
-                .expect("a parent holds the blocks it shares");
+            self.kv.attach(&child.blocks);
             self.running.push(child);
         }
     }
@@ -309,7 +344,8 @@ impl EngineCore {
         let block_size = self.config.block_size;
         for (k, &num_tokens) in SIZES.iter().chain(SIZES.iter()).enumerate() {
             let num_tokens = num_tokens.min(self.config.max_batch_tokens);
-            let Some(blocks) = self.allocator.allocate(num_tokens.div_ceil(block_size) as u32) else {
+            let mut activity = CacheActivity::default();
+            let Some(blocks) = self.kv.allocate(num_tokens.div_ceil(block_size), &mut activity) else {
                 break;
             };
             let id = u64::MAX - k as u64;
@@ -327,7 +363,7 @@ impl EngineCore {
             };
             let started = Instant::now();
             let result = self.shards.forward(request, num_tokens == 1).await;
-            self.allocator.free(&blocks).expect("calibration blocks are ours");
+            self.kv.release(&blocks);
             self.released_ids.push(id);
             match result {
                 Ok(_) => {
@@ -375,10 +411,61 @@ impl EngineCore {
         if seq.is_known_to_shards {
             self.released_ids.push(seq.id.0);
         }
+        // Prompt and generated tokens stay cached (the next turn of a chat, a resumed preemption hits).
+        let mut activity = CacheActivity::default();
+        let num_computed = seq.num_computed_tokens;
+        self.kv.cache(
+            seq.cache_salt(),
+            &seq.token_ids[..num_computed],
+            &seq.blocks,
+            &mut activity,
+        );
+        self.count_cache_activity(activity);
         let blocks = seq.reset_kv();
-        self.allocator
-            .free(&blocks)
-            .expect("a sequence only holds blocks it was given");
+        self.kv.release(&blocks);
+    }
+
+    fn count_cache_activity(&self, activity: CacheActivity) {
+        self.metrics
+            .prefix_cache_inserted_blocks
+            .inc_by(activity.num_inserted_blocks as u64);
+        self.metrics
+            .prefix_cache_evicted_blocks
+            .inc_by(activity.num_evicted_blocks as u64);
+    }
+
+    /// Views of the waiting requests for the scheduler. A request not yet holding blocks is seen as it
+    /// would start: from its cached prefix (the last token always recomputed, for logits), deferred if a
+    /// sequence ahead of it is computing more of its prompt right now.
+    fn waiting_views(&mut self, now: Instant) -> Vec<SeqView> {
+        // Matching is cheap but not free: only requests that could be admitted soon are looked up.
+        const NUM_LOOKED_UP: usize = 64;
+        let block_size = self.config.block_size;
+        let mut views = Vec::with_capacity(self.waiting.len());
+        for i in 0..self.waiting.len() {
+            let seq = &self.waiting[i];
+            let mut view = seq.view(0, now);
+            if seq.blocks.is_empty() && i < NUM_LOOKED_UP {
+                let hit = self
+                    .kv
+                    .match_prefix(seq.cache_salt(), &seq.token_ids, seq.token_ids.len() - 1);
+                view.num_computed_tokens = hit.num_tokens;
+                view.num_blocks = hit.blocks.len();
+                view.num_cached_evictable = self.kv.num_evictable_among(&hit.blocks);
+                let ahead = self
+                    .running
+                    .iter()
+                    .filter(|r| r.num_computed_tokens < r.num_prompt_tokens)
+                    .chain(self.waiting.iter().take(i));
+                view.is_deferred = ahead.into_iter().any(|other| {
+                    other.cache_salt() == seq.cache_salt()
+                        && common_full_blocks(&other.token_ids[..other.num_prompt_tokens], &seq.token_ids, block_size)
+                            > hit.num_tokens
+                });
+            }
+            views.push(view);
+        }
+        views
     }
 
     /// A failed forward leaves the shards' state unknown: every running request fails, the shards are
@@ -407,11 +494,20 @@ impl EngineCore {
 
     fn publish_stats(&self) {
         let metrics = &self.metrics;
+        metrics.kv_blocks_total.set(i64::from(self.kv.num_usable_blocks()));
+        metrics.kv_blocks_free.set(i64::from(self.kv.num_free_blocks()));
+        let num_available = self.kv.num_available_blocks() as i64;
         metrics
-            .kv_blocks_total
-            .set(i64::from(self.allocator.num_usable_blocks()));
-        metrics.kv_blocks_free.set(i64::from(self.allocator.num_free_blocks()));
+            .kv_blocks_cached_idle
+            .set(num_available - i64::from(self.kv.num_free_blocks()));
+        metrics.prefix_cache_blocks.set(self.kv.num_cached_blocks() as i64);
         metrics.queue_depth.set(self.waiting.len() as i64);
         metrics.running_sequences.set(self.running.len() as i64);
     }
+}
+
+/// Tokens in the full blocks that two token sequences share from the start.
+fn common_full_blocks(a: &[u32], b: &[u32], block_size: usize) -> usize {
+    let common = a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    (common / block_size) * block_size
 }

@@ -96,7 +96,14 @@ impl Sequence {
             priority: self.request.priority,
             num_times_overtaken: self.num_times_overtaken,
             waited_ms: (now - self.arrived_at).as_millis() as u64,
+            num_cached_evictable: 0,
+            is_deferred: false,
         }
+    }
+
+    /// The prefix-cache namespace of this request (0 when it gave no `cache_salt`).
+    pub fn cache_salt(&self) -> u64 {
+        self.request.cache_salt
     }
 
     pub fn num_generated_tokens(&self) -> usize {

@@ -67,6 +67,7 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     input.top_n_tokens = parameters.top_n_tokens.unwrap_or(0);
     input.truncate = parameters.truncate;
     input.priority = parameters.priority;
+    input.cache_salt = parameters.cache_salt;
     Ok(input)
 }
 

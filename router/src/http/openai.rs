@@ -94,6 +94,7 @@ fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<
     input.stop_token_ids = fields.stop_token_ids.clone().unwrap_or_default();
     input.skip_special_tokens = fields.skip_special_tokens.unwrap_or(true);
     input.priority = fields.priority.unwrap_or(0);
+    input.cache_salt = fields.cache_salt.clone();
     if let Some(bias) = &fields.logit_bias {
         for (key, &value) in bias {
             let id: u32 = key

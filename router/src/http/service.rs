@@ -66,6 +66,7 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
     let metrics = &state.engine.metrics;
     let total_blocks = metrics.kv_blocks_total.get() as u32;
     let free_blocks = metrics.kv_blocks_free.get() as u32;
+    let cached_blocks = metrics.kv_blocks_cached_idle.get() as u32;
     Json(Info {
         model_id: state.model_id.clone(),
         served_model_name: state.served_model_name.clone(),
@@ -83,7 +84,9 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
             block_size: state.shard_info.block_size,
             total_blocks,
             free_blocks,
-            used_blocks: total_blocks - free_blocks,
+            cached_blocks,
+            used_blocks: total_blocks - free_blocks - cached_blocks,
+            prefix_cache_blocks: metrics.prefix_cache_blocks.get() as u32,
             waiting_requests: metrics.queue_depth.get() as u32,
             running_requests: metrics.running_sequences.get() as u32,
             prompt_tokens_computed: metrics.prompt_tokens_computed.get(),

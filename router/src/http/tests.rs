@@ -22,7 +22,7 @@ use crate::{
     chat_template::ChatTemplate,
     config::{BatchConfig, LimitsConfig, Scheduling},
     engine::{EngineConfig, EngineCore, EngineHandle},
-    kv::BlockAllocator,
+    kv::KvPool,
     metrics::{Metrics, Outcome},
     scheduler::{BatchingMode, SchedulerConfig},
     shard::{
@@ -73,6 +73,7 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
         static_batch_wait_ms: 0,
         target_itl_ms: None,
         max_queue_time: None,
+        prefix_caching: true,
     };
     let scheduler = EngineConfig {
         scheduler: SchedulerConfig {
@@ -94,7 +95,7 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
         tokenizer.clone(),
         [FAKE_EOS].into(),
         scheduler,
-        BlockAllocator::new(num_blocks),
+        KvPool::new(num_blocks, 4, true),
         inbox_rx,
         metrics.clone(),
     );
@@ -154,7 +155,7 @@ async fn generate(app: &Router, inputs: &str, max_new_tokens: u32) -> Value {
     serde_json::from_str(&text).expect("json body")
 }
 
-/// Waits until the engine has nothing left and returns the free block count.
+/// Waits until the engine has nothing left and returns the blocks no sequence holds (free or cached).
 async fn idle_free_blocks(server: &TestServer) -> u32 {
     let metrics = &server.state.engine.metrics;
     for _ in 0..200 {
@@ -163,7 +164,7 @@ async fn idle_free_blocks(server: &TestServer) -> u32 {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    metrics.kv_blocks_free.get() as u32
+    (metrics.kv_blocks_free.get() + metrics.kv_blocks_cached_idle.get()) as u32
 }
 
 #[tokio::test]

@@ -3,10 +3,9 @@
 //! Plain data structures, no I/O; the scheduler consults them and the engine loop applies its plans to them.
 
 mod block_allocator;
-// Only the tests use the prefix cache until the engine wires it in; drop these allowances then.
-#[cfg_attr(not(test), allow(dead_code))]
+mod pool;
 mod radix;
 
 pub use block_allocator::BlockAllocator;
-#[allow(unused_imports)]
+pub use pool::{CacheActivity, KvPool};
 pub use radix::{PrefixMatch, RadixCache};

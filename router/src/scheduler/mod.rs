@@ -59,6 +59,12 @@ pub struct SeqView {
     pub num_times_overtaken: u32,
     /// How long it has waited since arrival, in milliseconds of the engine's clock.
     pub waited_ms: u64,
+    /// Waiting only: of the cached prefix blocks it would reuse (counted in `num_blocks`), those no one
+    /// holds now; admitting it takes them out of the evictable pool, so they cost like new blocks.
+    pub num_cached_evictable: usize,
+    /// Waiting only: another sequence is computing a longer part of its prompt right now; it waits for
+    /// those blocks to be cached instead of computing them a second time.
+    pub is_deferred: bool,
 }
 
 /// One sequence's share of an iteration.
@@ -99,14 +105,21 @@ fn num_blocks_for(num_tokens: usize, block_size: usize) -> usize {
 }
 
 /// The order in which waiting requests may be admitted: starving ones (overtaken too often) first in
-/// arrival order, then by priority (lower first), arrival order within a level. `waiting` is in arrival
-/// order.
+/// arrival order; then by priority (lower first); within a level, the longest cached prefix first
+/// (cache-aware: admit hits while their blocks are still cached), then arrival order. `waiting` is in
+/// arrival order, with `num_computed_tokens` the cached prefix a waiting request would start from.
 pub fn admission_order(waiting: &[SeqView], max_times_overtaken: u32) -> Vec<usize> {
     let mut order: Vec<usize> = (0..waiting.len()).collect();
     order.sort_by_key(|&i| {
         let seq = &waiting[i];
         let is_starving = seq.num_times_overtaken >= max_times_overtaken;
-        (!is_starving, if is_starving { 0 } else { seq.priority }, i)
+        let cached = if is_starving { 0 } else { seq.num_computed_tokens };
+        (
+            !is_starving,
+            if is_starving { 0 } else { seq.priority },
+            std::cmp::Reverse(cached),
+            i,
+        )
     });
     order
 }
@@ -123,7 +136,8 @@ pub fn admission_order(waiting: &[SeqView], max_times_overtaken: u32) -> Vec<usi
 /// 3. Waiting requests are admitted in `admission_order` while the budget, the batch size and the free
 ///    blocks above the watermark allow; admission stops at the first request that does not fit (so no
 ///    request is passed by one that merely fits better), and none is admitted in a step that had to
-///    preempt. In static mode nothing joins a running batch.
+///    preempt. A deferred request is skipped (it waits for a prefix another sequence is computing). In
+///    static mode nothing joins a running batch.
 pub fn schedule(
     config: &SchedulerConfig,
     running: &[SeqView],
@@ -200,13 +214,17 @@ pub fn schedule(
         if plan.scheduled.len() == config.max_batch_size || tokens_left == 0 {
             break;
         }
+        if seq.is_deferred {
+            continue;
+        }
         let num_tokens = (seq.num_tokens - seq.num_computed_tokens).min(tokens_left);
         let num_new_blocks =
             num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
-        if num_new_blocks + config.watermark_blocks > free_blocks {
+        let num_claimed_blocks = num_new_blocks + seq.num_cached_evictable;
+        if num_claimed_blocks + config.watermark_blocks > free_blocks {
             break;
         }
-        free_blocks -= num_new_blocks;
+        free_blocks -= num_claimed_blocks;
         tokens_left -= num_tokens;
         plan.admitted.push(seq.id);
         plan.scheduled.push(Scheduled {

@@ -26,6 +26,8 @@ fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_blocks: usize
         priority: 0,
         num_times_overtaken: 0,
         waited_ms: 0,
+        num_cached_evictable: 0,
+        is_deferred: false,
     }
 }
 
@@ -290,4 +292,31 @@ fn static_batches_wait_to_fill_and_admit_nothing_while_running() {
     let plan = schedule(&cfg, &running, &full, 100);
     assert!(plan.admitted.is_empty(), "nothing joins a running static batch");
     assert_eq!(plan.scheduled.len(), 1);
+}
+
+#[test]
+fn cached_prefixes_go_first_within_a_priority_level() {
+    // Request 2 would start from 8 cached tokens; it is admitted before request 1, which fits no more.
+    let waiting = [seq(1, 12, 0, 0), seq(2, 12, 8, 2)];
+    let plan = schedule(&config(64, 8), &[], &waiting, 3);
+    assert_eq!(plan.admitted, vec![RequestId(2)]);
+    assert_eq!(plan.scheduled[0].num_scheduled_tokens, 4);
+    assert_eq!(plan.scheduled[0].num_new_blocks, 1);
+}
+
+#[test]
+fn deferred_requests_are_skipped_not_blocking() {
+    let mut deferred = seq(1, 12, 0, 0);
+    deferred.is_deferred = true;
+    let plan = schedule(&config(64, 8), &[], &[deferred, seq(2, 4, 0, 0)], 100);
+    assert_eq!(plan.admitted, vec![RequestId(2)]);
+}
+
+#[test]
+fn claiming_evictable_cached_blocks_counts_against_free_blocks() {
+    let mut hit = seq(1, 12, 8, 2);
+    hit.num_cached_evictable = 2;
+    // 1 new block + 2 claimed + watermark 1 = 4 > 3 available.
+    assert!(schedule(&config(64, 8), &[], &[hit], 3).admitted.is_empty());
+    assert_eq!(schedule(&config(64, 8), &[], &[hit], 4).admitted, vec![RequestId(1)]);
 }

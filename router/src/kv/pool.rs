@@ -1,0 +1,200 @@
+//! The KV pool as the engine uses it: the block allocator and, with prefix caching on, the radix cache
+//! of computed blocks, kept consistent with each other.
+//!
+//! Ownership: a block is free (on the allocator's free list) or held. Its holders are the sequences
+//! whose block tables name it and, at most once, the prefix cache. A cached block that no sequence holds
+//! (reference count 1) is *evictable*: it still serves prefix hits, and it is evicted, least recently
+//! used first, only when an allocation finds the free list short. So "available" = free + evictable.
+
+use super::{BlockAllocator, PrefixMatch, RadixCache};
+
+/// What one operation did to the cache, for the metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CacheActivity {
+    pub num_inserted_blocks: usize,
+    pub num_evicted_blocks: usize,
+}
+
+pub struct KvPool {
+    allocator: BlockAllocator,
+    cache: Option<RadixCache>,
+}
+
+impl KvPool {
+    /// `num_blocks` as Warmup reported (the null block included); `prefix_caching` turns the cache on.
+    pub fn new(num_blocks: u32, block_size: usize, prefix_caching: bool) -> Self {
+        Self {
+            allocator: BlockAllocator::new(num_blocks),
+            cache: prefix_caching.then(|| RadixCache::new(block_size)),
+        }
+    }
+
+    pub fn num_usable_blocks(&self) -> u32 {
+        self.allocator.num_usable_blocks()
+    }
+
+    pub fn num_free_blocks(&self) -> u32 {
+        self.allocator.num_free_blocks()
+    }
+
+    pub fn num_cached_blocks(&self) -> usize {
+        self.cache.as_ref().map_or(0, RadixCache::num_cached_blocks)
+    }
+
+    fn is_evictable(allocator: &BlockAllocator, block: u32) -> bool {
+        allocator.ref_count(block) == 1
+    }
+
+    /// Blocks an allocation can get now: free ones plus evictable cached ones.
+    pub fn num_available_blocks(&self) -> usize {
+        let num_evictable = self.cache.as_ref().map_or(0, |cache| {
+            cache.num_evictable(|b| Self::is_evictable(&self.allocator, b))
+        });
+        self.allocator.num_free_blocks() as usize + num_evictable
+    }
+
+    /// The longest cached prefix of `tokens` in full blocks, at most `max_tokens` long. Nothing is held:
+    /// `attach` the blocks to use them.
+    pub fn match_prefix(&mut self, salt: u64, tokens: &[u32], max_tokens: usize) -> PrefixMatch {
+        let Some(cache) = self.cache.as_mut() else {
+            return PrefixMatch::default();
+        };
+        let block_size = cache.block_size();
+        let limit = (max_tokens.min(tokens.len()) / block_size) * block_size;
+        cache.match_prefix(salt, &tokens[..limit])
+    }
+
+    /// Of these cached blocks, how many are evictable now: attaching them makes that many blocks
+    /// unavailable to allocations.
+    pub fn num_evictable_among(&self, blocks: &[u32]) -> usize {
+        blocks
+            .iter()
+            .filter(|&&b| Self::is_evictable(&self.allocator, b))
+            .count()
+    }
+
+    /// Adds a holder to blocks already in use (a prefix hit, or a sibling's shared prompt).
+    pub fn attach(&mut self, blocks: &[u32]) {
+        self.allocator
+            .share(blocks)
+            .expect("attached blocks are cached or held by a sibling");
+    }
+
+    /// Takes `num_blocks` blocks, evicting least recently used cached blocks when the free list is short.
+    pub fn allocate(&mut self, num_blocks: usize, activity: &mut CacheActivity) -> Option<Vec<u32>> {
+        let num_free = self.allocator.num_free_blocks() as usize;
+        if num_free < num_blocks {
+            if let Some(cache) = self.cache.as_mut() {
+                let allocator = &self.allocator;
+                let evicted = cache.evict(num_blocks - num_free, |b| Self::is_evictable(allocator, b));
+                self.allocator
+                    .free(&evicted)
+                    .expect("the cache held the blocks it evicted");
+                activity.num_evicted_blocks += evicted.len();
+            }
+        }
+        self.allocator.allocate(num_blocks as u32)
+    }
+
+    /// Drops a sequence's hold on its blocks.
+    pub fn release(&mut self, blocks: &[u32]) {
+        self.allocator
+            .free(blocks)
+            .expect("a sequence only holds blocks it was given");
+    }
+
+    /// Enters the full blocks of `tokens` (held in `blocks`) into the cache, so later requests with this
+    /// prefix reuse them. Blocks of a prefix already cached under other ids are left as they are.
+    pub fn cache(&mut self, salt: u64, tokens: &[u32], blocks: &[u32], activity: &mut CacheActivity) {
+        let Some(cache) = self.cache.as_mut() else { return };
+        let num_full_blocks = (tokens.len() / cache.block_size()).min(blocks.len());
+        let num_tokens = num_full_blocks * cache.block_size();
+        let added = cache.insert(salt, &tokens[..num_tokens], &blocks[..num_full_blocks]);
+        self.allocator.share(&added).expect("a sequence caches blocks it holds");
+        activity.num_inserted_blocks += added.len();
+    }
+
+    /// How many of a sequence's blocks would become available if it let go of them: those it alone holds,
+    /// and those only the cache holds besides it (they become evictable).
+    pub fn num_freeable(&self, blocks: &[u32]) -> usize {
+        blocks
+            .iter()
+            .filter(|&&b| {
+                let count = self.allocator.ref_count(b);
+                count == 1 || (count == 2 && self.cache.as_ref().is_some_and(|c| c.contains_block(b)))
+            })
+            .count()
+    }
+
+    /// Panics if the allocator or the cache is inconsistent, or they disagree.
+    pub fn check_invariants(&self) {
+        self.allocator.check_invariants();
+        if let Some(cache) = &self.cache {
+            cache.check_invariants();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_released_prompt_is_hit_then_evicted_only_when_needed() {
+        let mut pool = KvPool::new(5, 2, true); // 4 usable blocks of 2 tokens
+        let mut activity = CacheActivity::default();
+        let tokens = [1, 2, 3, 4, 5];
+        let blocks = pool.allocate(3, &mut activity).expect("free");
+        pool.cache(0, &tokens, &blocks, &mut activity);
+        assert_eq!(activity.num_inserted_blocks, 2, "the partial last block is not cached");
+        pool.release(&blocks);
+        assert_eq!(pool.num_free_blocks(), 2);
+        assert_eq!(
+            pool.num_available_blocks(),
+            4,
+            "cached blocks nobody holds are available"
+        );
+        let hit = pool.match_prefix(0, &[1, 2, 3, 4, 9], 4);
+        assert_eq!(hit.blocks, blocks[..2]);
+        assert_eq!(
+            pool.match_prefix(0, &tokens, 3).num_tokens,
+            2,
+            "capped below max_tokens"
+        );
+        assert_eq!(
+            pool.match_prefix(7, &tokens, 5).num_tokens,
+            0,
+            "another salt sees nothing"
+        );
+        assert_eq!(pool.num_evictable_among(&hit.blocks), 2);
+        pool.attach(&hit.blocks);
+        assert_eq!(pool.num_available_blocks(), 2);
+        assert_eq!(
+            pool.num_freeable(&hit.blocks),
+            2,
+            "they become evictable again when released"
+        );
+        // Allocating everything that is left evicts nothing the hit holds.
+        let rest = pool.allocate(2, &mut activity).expect("free");
+        assert_eq!(activity.num_evicted_blocks, 0);
+        assert!(pool.allocate(1, &mut activity).is_none());
+        pool.release(&hit.blocks);
+        let evicting = pool.allocate(2, &mut activity).expect("evicts the cached prompt");
+        assert_eq!(activity.num_evicted_blocks, 2);
+        pool.release(&rest);
+        pool.release(&evicting);
+        pool.check_invariants();
+        assert_eq!(pool.num_free_blocks(), 4);
+    }
+
+    #[test]
+    fn without_prefix_caching_nothing_is_cached() {
+        let mut pool = KvPool::new(5, 2, false);
+        let mut activity = CacheActivity::default();
+        let blocks = pool.allocate(2, &mut activity).expect("free");
+        pool.cache(0, &[1, 2, 3, 4], &blocks, &mut activity);
+        pool.release(&blocks);
+        assert_eq!(pool.match_prefix(0, &[1, 2, 3, 4], 4).num_tokens, 0);
+        assert_eq!(pool.num_free_blocks(), 4);
+    }
+}
