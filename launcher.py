@@ -66,7 +66,13 @@ class LaunchConfig:
     target_itl_ms: float | None
     served_model_name: str | None
     shutdown_timeout: int
+    prefix_caching: bool
+    max_body_bytes: int
+    api_key: str | None  # handed to the router through its environment, never on a command line
+    json_logs: bool
+    log_prompts: bool
     num_threads: int | None  # None: the shard keeps torch's default
+    attention_backend: str  # auto (cuda kernels on cuda, torch on cpu), cuda or torch
     router_bin: Path
     log_level: str
 
@@ -84,6 +90,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
             default=environ.get(env_name, default),
             help=f"{help_text} (env {env_name}; default: {shown})",
         )
+
+    def switch(name: str, help_text: str) -> None:
+        env_name = "RILL_" + name.upper().replace("-", "_")
+        is_set = environ.get(env_name, "").lower() in ("1", "true", "yes", "on")
+        help_text = f"{help_text} (env {env_name}; default: {'on' if is_set else 'off'})"
+        parser.add_argument(f"--{name}", action="store_true", default=is_set, help=help_text)
 
     flag("model-id", Path, None, "Hugging Face-layout model folder; auto = built-in SmolLM2-135M-Instruct")
     flag("hostname", str, "127.0.0.1", "address the router's HTTP server binds to")
@@ -105,7 +117,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("target-itl-ms", float, None, "bound inter-token latency by sizing prompt chunks; auto = off")
     flag("served-model-name", str, None, "model name of the OpenAI API; auto = the model folder's name")
     flag("shutdown-timeout", int, 30, "on SIGTERM, seconds for requests in flight to finish (new: 503)")
+    switch("no-prefix-caching", "turn off the prefix cache (on by default)")
+    flag("max-body-bytes", int, 2 << 20, "largest request body accepted; larger ones get 413")
+    flag("api-key", str, None, "require `Authorization: Bearer <key>` on generation and tokenize routes")
+    switch("json-logs", "log one JSON object per line (router) instead of text")
+    switch("log-prompts", "log prompts' text (never logged otherwise)")
     flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
+    flag("attention-backend", str, "auto", "cuda (kernels/) or torch (references); auto = cuda on cuda")
     flag("router-bin", Path, None, "rill-router binary; auto = on PATH, else ./target/{release,debug}/")
     flag("log-level", str, "info", "debug, info, warning or error (also RUST_LOG for the router when unset)")
     return parser
@@ -126,6 +144,10 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if args.scheduling not in ("continuous", "static"):
         parser.error(f"--scheduling must be continuous or static, got {args.scheduling!r}")
+    if args.attention_backend not in ("auto", "cuda", "torch"):
+        parser.error(f"--attention-backend must be auto, cuda or torch, got {args.attention_backend!r}")
+    if args.attention_backend == "cuda" and device != "cuda":
+        parser.error("--attention-backend cuda needs --device cuda")
     if args.log_level.lower() not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, got {args.log_level!r}")
     if not 0 < args.max_input_tokens < args.max_total_tokens:
@@ -167,7 +189,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         target_itl_ms=args.target_itl_ms,
         served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout,
+        prefix_caching=not args.no_prefix_caching,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or None,
+        json_logs=args.json_logs,
+        log_prompts=args.log_prompts,
         num_threads=num_threads,
+        attention_backend=args.attention_backend,
         router_bin=router_bin,
         log_level=args.log_level.lower(),
     )
@@ -222,6 +250,7 @@ def shard_command(
         "--kv-block-size", str(config.kv_block_size),
         "--rank", str(rank),
         "--world-size", str(config.num_shard),
+        "--attention-backend", config.attention_backend,
     ]  # fmt: skip
     if config.num_threads is not None:
         command += ["--num-threads", str(config.num_threads)]
@@ -239,7 +268,7 @@ def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[s
     ]  # fmt: skip
     for socket_path in socket_paths:
         command += ["--shard-socket", str(socket_path)]
-    return command + [
+    command += [
         "--max-input-tokens", str(config.max_input_tokens),
         "--max-total-tokens", str(config.max_total_tokens),
         "--max-batch-tokens", str(config.max_batch_tokens),
@@ -251,9 +280,18 @@ def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[s
         "--scheduling", config.scheduling,
         "--static-batch-wait-ms", str(config.static_batch_wait_ms),
         "--shutdown-timeout", str(config.shutdown_timeout),
-    ] + (["--target-itl-ms", str(config.target_itl_ms)] if config.target_itl_ms else []) + (
-        ["--served-model-name", config.served_model_name] if config.served_model_name else []
-    )  # fmt: skip
+        "--max-body-bytes", str(config.max_body_bytes),
+    ]  # fmt: skip
+    if config.target_itl_ms:
+        command += ["--target-itl-ms", str(config.target_itl_ms)]
+    if config.served_model_name:
+        command += ["--served-model-name", config.served_model_name]
+    switches = {
+        "--no-prefix-caching": not config.prefix_caching,
+        "--json-logs": config.json_logs,
+        "--log-prompts": config.log_prompts,
+    }
+    return command + [name for name, is_on in switches.items() if is_on]
 
 
 class ChildExited(RuntimeError):
@@ -380,6 +418,8 @@ def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
             logger.info("shard-%d is healthy", rank)
 
         router_env = {"RUST_LOG": config.log_level, **os.environ}
+        if config.api_key:
+            router_env["RILL_API_KEY"] = config.api_key
         supervisor.start("router", router_command(config, socket_paths), router_env)
         connect_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(config.hostname, config.hostname)
         if ":" in connect_host and not connect_host.startswith("["):

@@ -53,7 +53,20 @@ def test_defaults(model_dir: Path) -> None:
         max_batch_size=64,
         kv_block_size=16,
         max_concurrent_requests=128,
+        max_waiting_requests=128,
+        max_queue_time=0,
+        scheduling="continuous",
+        static_batch_wait_ms=1000,
+        target_itl_ms=None,
+        served_model_name=None,
+        shutdown_timeout=30,
+        prefix_caching=True,
+        max_body_bytes=2 << 20,
+        api_key=None,
+        json_logs=False,
+        log_prompts=False,
         num_threads=launcher._num_cpus(),
+        attention_backend="auto",
         router_bin=ROUTER_BIN,
         log_level="info",
     )
@@ -169,7 +182,18 @@ def test_router_command(model_dir: Path) -> None:
         "--max-batch-total-tokens", "0",
         "--max-batch-size", "64",
         "--max-concurrent-requests", "128",
+        "--max-waiting-requests", "128",
+        "--max-queue-time", "0",
+        "--scheduling", "continuous",
+        "--static-batch-wait-ms", "1000",
+        "--shutdown-timeout", "30",
+        "--max-body-bytes", str(2 << 20),
     ]  # fmt: skip
+    flags = ["--no-prefix-caching", "--json-logs", "--target-itl-ms", "50", "--api-key", "k"]
+    switched = parse(model_dir, *flags)
+    command = launcher.router_command(switched, sockets)
+    assert {"--no-prefix-caching", "--json-logs", "50.0"} <= set(command)
+    assert "k" not in command, "the API key must not appear on a command line"
 
 
 def test_shard_command(model_dir: Path) -> None:

@@ -67,6 +67,19 @@ pub struct Args {
     /// On SIGTERM: refuse new requests (503) and let requests in flight finish for up to this many seconds.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Require `Authorization: Bearer <key>` on the generation and tokenization routes (health, readiness
+    /// and metrics stay open). Read from the environment so the key never shows in a process list.
+    #[arg(long, env = "RILL_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Largest request body accepted, in bytes; larger ones get 413.
+    #[arg(long, default_value_t = 2 << 20)]
+    pub max_body_bytes: usize,
+    /// Log each prompt's text (never logged otherwise).
+    #[arg(long)]
+    pub log_prompts: bool,
+    /// Log one JSON object per line (request id, timings, outcome as fields) instead of text.
+    #[arg(long)]
+    pub json_logs: bool,
     /// Seconds to wait for the shards' sockets to answer at start.
     #[arg(long, default_value_t = 60)]
     pub shard_connect_timeout: u64,
@@ -109,6 +122,9 @@ pub struct Config {
     pub shard_sockets: Vec<PathBuf>,
     pub shard_connect_timeout_s: u64,
     pub shutdown_timeout: Duration,
+    pub api_key: Option<String>,
+    pub max_body_bytes: usize,
+    pub log_prompts: bool,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
 }
@@ -140,6 +156,9 @@ impl Config {
             shard_sockets: args.shard_sockets,
             shard_connect_timeout_s: args.shard_connect_timeout,
             shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
+            api_key: args.api_key.filter(|key| !key.is_empty()),
+            max_body_bytes: args.max_body_bytes,
+            log_prompts: args.log_prompts,
             limits: LimitsConfig {
                 max_input_tokens: args.max_input_tokens,
                 max_total_tokens: args.max_total_tokens,

@@ -37,13 +37,20 @@ use crate::{
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
-    let config = Config::from_args(Args::parse())?;
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if args.json_logs {
+        tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_env_filter(filter)
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    let config = Config::from_args(args)?;
 
     let tokenizer_path = config.model_id.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
@@ -126,6 +133,9 @@ async fn main() -> anyhow::Result<()> {
         admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
         waiting: Arc::new(Semaphore::new(config.limits.max_waiting_requests as usize)),
         draining: Arc::new(AtomicBool::new(false)),
+        api_key: config.api_key.as_deref().map(Arc::from),
+        max_body_bytes: config.max_body_bytes,
+        log_prompts: config.log_prompts,
         chat_template,
         model_id: config.model_id.display().to_string(),
         served_model_name: config.served_model_name.clone(),

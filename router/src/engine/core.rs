@@ -166,7 +166,7 @@ impl EngineCore {
         for &id in &plan.preempted {
             let i = self.running_index(id);
             let mut seq = self.running.remove(i);
-            tracing::info!(request_id = %id, "preempted: KV pool full; it will be recomputed");
+            tracing::info!(request_id = %seq.tag, sequence_id = %id, "preempted: KV pool full; it will be recomputed");
             self.metrics.preemptions.inc();
             self.release(&mut seq);
             self.waiting.push_front(seq);
@@ -267,6 +267,9 @@ impl EngineCore {
             };
             let seq = &mut self.running[i];
             let now = std::time::Instant::now();
+            if seq.first_token_at.is_none() {
+                seq.first_token_at = Some(now);
+            }
             match seq.last_token_at {
                 None => self
                     .metrics
@@ -284,6 +287,19 @@ impl EngineCore {
                     self.metrics
                         .end_to_end_latency
                         .observe((now - seq.arrived_at).as_secs_f64());
+                    let ms = |t: Option<Instant>| t.map_or(0.0, |t| (t - seq.arrived_at).as_secs_f64() * 1e3);
+                    tracing::info!(
+                        request_id = %seq.tag,
+                        sequence_id = %seq.id,
+                        outcome = "success",
+                        prompt_tokens = seq.num_prompt_tokens,
+                        cached_tokens = seq.num_cached_tokens,
+                        generated_tokens = seq.num_generated_tokens(),
+                        queue_ms = ms(seq.admitted_at),
+                        ttft_ms = ms(seq.first_token_at),
+                        e2e_ms = ms(Some(now)),
+                        "request finished"
+                    );
                 } else {
                     self.metrics.count_request(Outcome::Failed);
                 }
@@ -324,7 +340,7 @@ impl EngineCore {
             }
         }
         for mut seq in cancelled {
-            tracing::info!(request_id = %seq.id, "cancelled: the client went away");
+            tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "cancelled", "client went away");
             self.metrics.count_request(Outcome::Cancelled);
             self.metrics.cancelled_tokens.inc_by(seq.token_ids.len() as u64);
             self.release(&mut seq);
@@ -394,7 +410,7 @@ impl EngineCore {
             let seq = &self.waiting[i];
             if seq.admitted_at.is_none() && now - seq.arrived_at > limit {
                 let mut seq = self.waiting.remove(i).expect("index in range");
-                tracing::info!(request_id = %seq.id, "expired: waited longer than --max-queue-time");
+                tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "expired", "waited longer than --max-queue-time");
                 seq.fail(EngineError::QueueTimeout(limit.as_secs()));
                 for _ in 0..=seq.forks.len() {
                     self.metrics.count_request(Outcome::Failed);

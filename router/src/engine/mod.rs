@@ -77,6 +77,8 @@ pub struct NewRequest {
     pub forks: Vec<NewRequest>,
     /// A place in the bounded waiting queue (`--max-waiting-requests`), given back at admission.
     pub waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The HTTP request's id (`x-request-id`), for the logs.
+    pub tag: String,
 }
 
 /// The handlers' side of the engine: cheap to clone.
@@ -104,6 +106,7 @@ impl EngineHandle {
         request: ValidRequest,
         n: u32,
         waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        tag: String,
     ) -> Result<Vec<EventReceiver>, EngineError> {
         let mut receivers = Vec::with_capacity(n as usize);
         let mut choices: Vec<NewRequest> = (0..n.max(1))
@@ -118,6 +121,7 @@ impl EngineHandle {
                     events,
                     forks: Vec::new(),
                     waiting_permit: None,
+                    tag: if n > 1 { format!("{tag}/{i}") } else { tag.clone() },
                 }
             })
             .collect();

@@ -33,12 +33,16 @@ pub struct Sequence {
     pub arrived_at: Instant,
     /// When it was first admitted (it may be admitted again after a preemption).
     pub admitted_at: Option<Instant>,
+    /// When its first token was sampled.
+    pub first_token_at: Option<Instant>,
     /// When its latest token was sampled.
     pub last_token_at: Option<Instant>,
     /// How often a request that arrived later was admitted while this one waited.
     pub num_times_overtaken: u32,
     /// Holds a place in the bounded waiting queue until the first admission.
     pub waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The HTTP request's id, for the logs.
+    pub tag: String,
     request: ValidRequest,
     events: EventSender,
     detokenizer: IncrementalDetokenizer,
@@ -63,6 +67,7 @@ impl Sequence {
             events,
             forks,
             waiting_permit,
+            tag,
         } = new;
         Self {
             id,
@@ -75,9 +80,11 @@ impl Sequence {
             forks,
             arrived_at: Instant::now(),
             admitted_at: None,
+            first_token_at: None,
             last_token_at: None,
             num_times_overtaken: 0,
             waiting_permit,
+            tag,
             detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, request.skip_special_tokens),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),

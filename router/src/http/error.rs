@@ -24,6 +24,8 @@ pub enum ApiError {
     ChatTemplate(#[from] ChatTemplateError),
     #[error("invalid request body: {0}")]
     BadRequest(String),
+    #[error("the request body is larger than --max-body-bytes: {0}")]
+    PayloadTooLarge(String),
     #[error("invalid request: {0}")]
     Unprocessable(String),
     #[error("{message}")]
@@ -45,6 +47,7 @@ impl From<JsonRejection> for ApiError {
         match rejection {
             // Well-formed JSON whose fields have the wrong names, types or values.
             JsonRejection::JsonDataError(e) => ApiError::Unprocessable(e.body_text()),
+            other if other.status() == StatusCode::PAYLOAD_TOO_LARGE => ApiError::PayloadTooLarge(other.body_text()),
             other => ApiError::BadRequest(other.body_text()),
         }
     }
@@ -58,6 +61,7 @@ impl ApiError {
             }
             ApiError::Unsupported { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
             ApiError::Overloaded(_) | ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,

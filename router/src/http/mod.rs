@@ -3,6 +3,7 @@
 //! they never schedule or touch KV.
 
 mod error;
+mod middleware;
 mod native;
 mod openai;
 mod service;
@@ -21,6 +22,7 @@ use axum::{
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error::ApiError;
+pub use middleware::RequestTag;
 
 use crate::{
     api::openai::ChatMessage,
@@ -43,6 +45,12 @@ pub struct AppState {
     pub waiting: Arc<Semaphore>,
     /// Set on SIGTERM: new requests get 503 while those in flight finish.
     pub draining: Arc<AtomicBool>,
+    /// With `--api-key`: the bearer token generation and tokenization routes require.
+    pub api_key: Option<Arc<str>>,
+    /// Largest request body accepted (`--max-body-bytes`); larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Log prompts' text (`--log-prompts`); off by default, prompts are never logged.
+    pub log_prompts: bool,
     pub chat_template: Option<Arc<ChatTemplate>>,
     pub model_id: String,
     /// The model name of the OpenAI API.
@@ -89,7 +97,7 @@ impl AppState {
 
 /// The router's HTTP application.
 pub fn app(state: AppState) -> Router {
-    Router::new()
+    let guarded = Router::new()
         .route("/", post(native::compat))
         .route("/generate", post(native::generate))
         .route("/generate_stream", post(native::generate_stream))
@@ -98,12 +106,20 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/tokenize", post(service::tokenize))
         .route("/detokenize", post(service::detokenize))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            middleware::require_api_key,
+        ));
+    Router::new()
+        .merge(guarded)
         .route("/health", get(service::health))
         .route("/ready", get(service::ready))
         .route("/metrics", get(service::metrics))
         .route("/info", get(service::info))
         .route("/openapi.json", get(service::openapi))
         .route("/docs", get(service::docs))
+        .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))
+        .layer(axum::middleware::from_fn(middleware::request_id))
         .with_state(state)
 }
 
@@ -131,9 +147,13 @@ fn acquire(state: &AppState, num_sequences: u32) -> Result<OwnedSemaphorePermit,
 /// Validates and queues `n` choices of one prompt.
 async fn submit(
     state: &AppState,
+    tag: &RequestTag,
     input: GenerateInput,
     n: u32,
 ) -> Result<(ValidRequest, Vec<EventReceiver>), ApiError> {
+    if state.log_prompts {
+        tracing::info!(request_id = %tag.0, prompt = ?input.prompt, "prompt");
+    }
     let valid = state.validator.validate(input).await.inspect_err(|_| {
         state.engine.metrics.count_request(Outcome::Invalid);
     })?;
@@ -141,7 +161,9 @@ async fn submit(
         state.engine.metrics.count_request(Outcome::Overloaded);
         ApiError::QueueFull(state.limits.max_waiting_requests)
     })?;
-    let receivers = state.engine.submit_n(valid.clone(), n, Some(waiting_permit))?;
+    let receivers = state
+        .engine
+        .submit_n(valid.clone(), n, Some(waiting_permit), tag.0.clone())?;
     Ok((valid, receivers))
 }
 

@@ -8,11 +8,11 @@ use axum::{
         sse::{Event, KeepAlive, Sse},
         IntoResponse, Response,
     },
-    Json,
+    Extension, Json,
 };
 use futures::Stream;
 
-use super::{acquire, collect, submit, ApiError, AppState};
+use super::{acquire, collect, submit, ApiError, AppState, RequestTag};
 use crate::{
     api::{
         Details, ErrorResponse, GenerateParameters, GenerateRequest, GenerateResponse, StreamDetails, StreamResponse,
@@ -99,6 +99,7 @@ fn top_tokens(state: &AppState, event: &TokenEvent) -> Vec<TopToken> {
               (status = 429, body = ErrorResponse)))]
 pub async fn generate(
     State(state): State<AppState>,
+    Extension(tag): Extension<RequestTag>,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Result<Json<GenerateResponse>, ApiError> {
     let _permit = acquire(&state, 1)?;
@@ -106,7 +107,7 @@ pub async fn generate(
     let prefix = request.parameters.return_full_text.then(|| request.inputs.clone());
     let details = request.parameters.details;
     let input = generate_input(request.inputs, request.parameters)?;
-    let (valid, mut receivers) = submit(&state, input, 1).await?;
+    let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let finished = collect(receivers.pop().expect("one choice")).await?;
     let details = details.then(|| Details {
         finish_reason: finished.end.finish_reason,
@@ -133,13 +134,14 @@ pub async fn generate(
               (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
 pub async fn generate_stream(
     State(state): State<AppState>,
+    Extension(tag): Extension<RequestTag>,
     body: Result<Json<GenerateRequest>, JsonRejection>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
     let permit = acquire(&state, 1)?;
     let Json(request) = body?;
     let prefix = request.parameters.return_full_text.then(|| request.inputs.clone());
     let input = generate_input(request.inputs, request.parameters)?;
-    let (valid, mut receivers) = submit(&state, input, 1).await?;
+    let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let mut events = receivers.pop().expect("one choice");
     let stream = async_stream::stream! {
         // Held until the stream ends (or the client goes, which drops the stream and cancels the request).
@@ -182,9 +184,15 @@ pub async fn generate_stream(
 /// TGI's compatibility route: `/generate_stream` when the body says `"stream": true`, else `/generate`.
 #[utoipa::path(post, path = "/", tag = "native", request_body = GenerateRequest,
     responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse)))]
-pub async fn compat(State(state): State<AppState>, body: Result<Json<GenerateRequest>, JsonRejection>) -> Response {
+pub async fn compat(
+    State(state): State<AppState>,
+    Extension(tag): Extension<RequestTag>,
+    body: Result<Json<GenerateRequest>, JsonRejection>,
+) -> Response {
     match &body {
-        Ok(Json(request)) if request.stream => generate_stream(State(state), body).await.into_response(),
-        _ => generate(State(state), body).await.into_response(),
+        Ok(Json(request)) if request.stream => generate_stream(State(state), Extension(tag), body)
+            .await
+            .into_response(),
+        _ => generate(State(state), Extension(tag), body).await.into_response(),
     }
 }

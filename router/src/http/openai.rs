@@ -13,12 +13,12 @@ use axum::{
         sse::{Event, KeepAlive, Sse},
         IntoResponse, Response,
     },
-    Json,
+    Extension, Json,
 };
 use futures::{stream::SelectAll, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::{acquire, collect, error::OpenAiError, submit, ApiError, AppState, Finished};
+use super::{acquire, collect, error::OpenAiError, submit, ApiError, AppState, Finished, RequestTag};
 use crate::{
     api::{
         openai::{
@@ -195,6 +195,7 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
               (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
 pub async fn completions(
     State(state): State<AppState>,
+    Extension(tag): Extension<RequestTag>,
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
@@ -241,7 +242,7 @@ pub async fn completions(
     let mut receivers = Vec::new();
     let mut echoes = Vec::new();
     for input in inputs {
-        let (valid, rxs) = submit(&state, input, n).await?;
+        let (valid, rxs) = submit(&state, &tag, input, n).await?;
         let echo = if request.echo {
             state.decode(&valid.prompt_ids, false)
         } else {
@@ -383,6 +384,7 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
               (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
+    Extension(tag): Extension<RequestTag>,
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
@@ -411,7 +413,7 @@ pub async fn chat_completions(
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
     let permit = acquire(&state, n)?;
-    let (_, receivers) = submit(&state, input, n).await?;
+    let (_, receivers) = submit(&state, &tag, input, n).await?;
     let id = format!("chatcmpl-{}", uuid_like());
     let model = state.served_model_name.clone();
     let created = now();

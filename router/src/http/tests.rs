@@ -111,6 +111,9 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
         admission: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
         waiting: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
         draining: Arc::new(AtomicBool::new(false)),
+        api_key: None,
+        max_body_bytes: 4096,
+        log_prompts: false,
         chat_template: Some(Arc::new(
             ChatTemplate::new(
                 "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}".into(),
@@ -494,7 +497,7 @@ async fn a_dropped_stream_is_cancelled_and_frees_its_blocks() {
         server
             .state
             .engine
-            .submit_n(valid, 1, None)
+            .submit_n(valid, 1, None, "test".into())
             .expect("submitted")
             .pop()
             .expect("one")
@@ -538,4 +541,64 @@ async fn a_full_waiting_queue_gets_429() {
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
     assert!(text.contains("max-waiting-requests"));
     assert_eq!(headers["retry-after"], "1");
+}
+
+#[tokio::test]
+async fn an_api_key_guards_generation_but_not_health() {
+    let server = server(64, 16).await;
+    let mut state = server.state.clone();
+    state.api_key = Some(Arc::from("s3cret"));
+    let app = app(state);
+    let (status, headers, text) = post(&app, "/generate", json!({"inputs": "w1"})).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{text}");
+    assert_eq!(headers["www-authenticate"], "Bearer");
+    let request = Request::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer s3cret")
+        .body(Body::from(json!({"prompt": "w1", "max_tokens": 1}).to_string()))
+        .expect("valid request");
+    assert_eq!(
+        app.clone().oneshot(request).await.expect("infallible").status(),
+        StatusCode::OK
+    );
+    for path in ["/health", "/ready", "/metrics", "/info"] {
+        let request = Request::builder().uri(path).body(Body::empty()).expect("valid request");
+        assert_eq!(
+            app.clone().oneshot(request).await.expect("infallible").status(),
+            StatusCode::OK,
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn oversized_bodies_get_413() {
+    let server = server(64, 16).await;
+    let (status, _, text) = post(&server.app, "/generate", json!({"inputs": "w1 ".repeat(3000)})).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{text}");
+    assert!(text.contains("max-body-bytes"), "{text}");
+}
+
+#[tokio::test]
+async fn request_ids_are_echoed_or_made() {
+    let server = server(64, 16).await;
+    let request = Request::builder()
+        .method("POST")
+        .uri("/generate")
+        .header("content-type", "application/json")
+        .header("x-request-id", "client-42")
+        .body(Body::from(
+            json!({"inputs": "w1", "parameters": {"max_new_tokens": 1}}).to_string(),
+        ))
+        .expect("valid request");
+    let response = server.app.clone().oneshot(request).await.expect("infallible");
+    assert_eq!(response.headers()["x-request-id"], "client-42");
+    let request = Request::builder()
+        .uri("/health")
+        .body(Body::empty())
+        .expect("valid request");
+    let response = server.app.clone().oneshot(request).await.expect("infallible");
+    assert_eq!(response.headers()["x-request-id"].len(), 32);
 }
