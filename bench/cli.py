@@ -87,6 +87,16 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
         "(default: the workload's output length distribution)",
     )
     group.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        help="cap drawn prompt lengths of single-prompt workloads (scales a workload down; default: none)",
+    )
+    group.add_argument(
+        "--max-output-tokens",
+        type=int,
+        help="cap drawn output lengths, which still vary below it (default: none)",
+    )
+    group.add_argument(
         "--tokenizer",
         type=Path,
         help="a tokenizer.json: prompts are cut to exact token counts "
@@ -192,7 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _workload(args: argparse.Namespace) -> tuple[list[Session], list[RequestSpec]]:
     sessions = build_workload(
-        WorkloadConfig(args.workload, args.num_requests, args.seed, args.max_tokens, args.tokenizer)
+        WorkloadConfig(
+            args.workload,
+            args.num_requests,
+            args.seed,
+            args.max_tokens,
+            args.tokenizer,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens,
+        )
     )
     warmup: list[RequestSpec] = []
     if args.warmup > 0:

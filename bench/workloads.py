@@ -119,6 +119,11 @@ class WorkloadConfig:
     max_tokens: int | None = None
     """When set, every request asks for exactly this many output tokens instead of the workload's lengths."""
     tokenizer_path: Path | None = None
+    max_prompt_tokens: int | None = None
+    """When set, single-prompt workloads (mixed, long-prompts, bursts, random) draw no longer prompts: a way
+    to scale a workload down to a slow machine while keeping its shape."""
+    max_output_tokens: int | None = None
+    """When set, drawn output lengths are capped at this (unlike `max_tokens`, they still vary)."""
 
 
 class _Builder:
@@ -132,8 +137,11 @@ class _Builder:
         self.num_requests = 0
 
     def output_len(self, drawn: int) -> int:
-        """`drawn` unless `--max-tokens` overrides it (drawn anyway, so prompts stay the same)."""
-        return self.config.max_tokens if self.config.max_tokens is not None else drawn
+        """`drawn` (capped by `--max-output-tokens`) unless `--max-tokens` overrides it (drawn anyway, so
+        prompts stay the same)."""
+        if self.config.max_tokens is not None:
+            return self.config.max_tokens
+        return min(drawn, self.config.max_output_tokens or drawn)
 
     def add(self, session: Session, prompt: str, max_tokens: int, prompt_tokens: int | None = None) -> None:
         if prompt_tokens is None:
@@ -146,6 +154,7 @@ class _Builder:
         self.num_requests += 1
 
     def single(self, prompt_tokens: int, max_tokens: int) -> None:
+        prompt_tokens = min(prompt_tokens, self.config.max_prompt_tokens or prompt_tokens)
         session: Session = []
         self.add(session, self.source.text(self.rng, prompt_tokens), max_tokens, prompt_tokens)
         self.sessions.append(session)

@@ -13,6 +13,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "cuda", "torch")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class ShardConfig:
     from `Info`). `num_threads` is torch's intra-op thread count on the CPU (0 = torch's default).
     With `world_size` > 1 the ranks rendezvous through `dist_init_method`, a torch.distributed URL
     (tcp://127.0.0.1:PORT, or file:///PATH in a folder private to one launch).
+    `attention_backend` picks the CUDA kernels of kernels/ or the torch references for attention, KV writes,
+    norms and rotary (auto: kernels on cuda, references on cpu); `cuda_graph_max_batch_size` bounds the decode
+    batch sizes captured as CUDA graphs with the kernels (0: none).
     """
 
     model_path: Path
@@ -34,6 +38,8 @@ class ShardConfig:
     world_size: int = 1
     num_threads: int = 0
     dist_init_method: str | None = None
+    attention_backend: str = "auto"
+    cuda_graph_max_batch_size: int = 256
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -46,12 +52,25 @@ class ShardConfig:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
         if self.world_size > 1 and not self.dist_init_method:
             raise ValueError(f"world_size {self.world_size} needs a dist_init_method (tcp://... or file://...)")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "cuda" and self.device != "cuda":
+            raise ValueError("attention_backend 'cuda' needs device 'cuda'")
+        if self.cuda_graph_max_batch_size < 0:
+            raise ValueError(f"cuda_graph_max_batch_size must be >= 0, got {self.cuda_graph_max_batch_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def uses_cuda_kernels(self) -> bool:
+        """The resolved backend: kernels on cuda unless forced to torch; never on the CPU."""
+        return self.device == "cuda" and self.attention_backend != "torch"
 
     @property
     def torch_device(self) -> torch.device:

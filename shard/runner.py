@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import kernels
 from shard import distributed
 from shard.batch import (
     BatchLimits,
@@ -28,8 +29,9 @@ from shard.batch import (
     TopLogprob,
 )
 from shard.config import ShardConfig
+from shard.cuda_graphs import DecodeGraphs
 from shard.kv_cache import KVCache
-from shard.layers.attention import ForwardContext, forward_context
+from shard.layers.attention import ForwardContext, KernelMetadata, forward_context
 from shard.models.registry import eos_token_ids, get_model_class, load_hf_config
 from shard.sampling import SamplingBatch, SamplingParams, sample
 from shard.weights import load_weights
@@ -78,6 +80,8 @@ class ModelRunner:
         self.model.eval()
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
         self.kv_cache: KVCache | None = None
+        self.uses_cuda_kernels = self._resolve_kernels()
+        self.decode_graphs: DecodeGraphs | None = None
         self.params_by_id: dict[int, SamplingParams] = {}
         self.history = TokenHistory()
         num_params = sum(p.numel() for p in self.model.parameters())
@@ -90,6 +94,26 @@ class ModelRunner:
             self.device,
             config.dtype,
         )
+
+    def _resolve_kernels(self) -> bool:
+        """CUDA kernels on cuda unless forced to torch; an unsupported shape falls back to torch under auto
+        and is an error when the kernels were asked for."""
+        if not self.config.uses_cuda_kernels:
+            return False
+        attn = self.model.model.layers[0].self_attn.attn
+        if not kernels.supports(attn.head_dim, attn.num_heads, attn.num_kv_heads):
+            reason = (
+                f"the CUDA kernels support head_dim {kernels.SUPPORTED_HEAD_DIMS} and at most "
+                f"{kernels.MAX_GROUP_SIZE} query heads per KV head, not head_dim {attn.head_dim} with "
+                f"{attn.num_heads} heads / {attn.num_kv_heads} KV heads"
+            )
+            if self.config.attention_backend == "cuda":
+                raise ValueError(reason)
+            logger.warning("%s: using the torch attention backend", reason)
+            return False
+        kernels.load()  # build once (cached by source hash), before the first forward
+        logger.info("attention backend: CUDA kernels")
+        return True
 
     @property
     def vocab_size(self) -> int:
@@ -128,6 +152,7 @@ class ModelRunner:
             )
         block_size = self.config.block_size
         self.kv_cache = None
+        self.decode_graphs = None
         self.clear()
         # A throwaway pool just large enough for the dummy batch: one long sequence plus single-token ones.
         self.kv_cache = self._new_kv_cache(1 + -(-max_batch_tokens // block_size) + max_batch_size)
@@ -160,7 +185,23 @@ class ModelRunner:
         # Every rank uses the router's block tables, so every pool needs the same number of blocks.
         num_blocks = distributed.all_reduce_min(self._decide_num_blocks(max_total_kv_tokens))
         self.kv_cache = self._new_kv_cache(num_blocks)
+        self._capture_decode_graphs(max_batch_size, num_blocks)
         return num_blocks
+
+    def _capture_decode_graphs(self, max_batch_size: int, num_blocks: int) -> None:
+        max_graph_batch_size = min(max_batch_size, self.config.cuda_graph_max_batch_size)
+        if not self.uses_cuda_kernels or max_graph_batch_size < 1 or self.config.world_size > 1:
+            return
+        assert self.kv_cache is not None
+        max_context_len = min(self.max_position_embeddings, (num_blocks - 1) * self.config.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            max_graph_batch_size,
+            max_blocks_per_seq=-(-max_context_len // self.config.block_size),
+            max_context_len=max_context_len,
+            device=self.device,
+        )
 
     def _decide_num_blocks(self, max_total_kv_tokens: int) -> int:
         block_size, bytes_per_block = self.config.block_size, self._bytes_per_block()
@@ -256,13 +297,29 @@ class ModelRunner:
             positions=batch.positions,
         )
         start = time.perf_counter()
-        with forward_context(ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            hidden = self.decode_graphs.run(batch)
+        else:
+            if self.uses_cuda_kernels:
+                ctx = dataclasses.replace(ctx, kernels=self._kernel_metadata(batch))
+            with forward_context(ctx):
+                hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_model_time_s = time.perf_counter() - start
         return batch, logits
+
+    def _kernel_metadata(self, batch: BatchState) -> KernelMetadata:
+        cu = batch.cu_seqlens_q
+        query_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+        return KernelMetadata(
+            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor(batch.cu_seqlens_q, dtype=torch.int32, device=self.device),
+            max_query_len=max(query_lens),
+            max_context_len=max(batch.context_lens),
+            is_decode=max(query_lens) == 1 and batch.num_tokens == len(batch.context_lens),
+        )
 
     def clear(self) -> None:
         """Forgets every sequence (the pool's contents are the router's business and stay allocated)."""

@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from shard.batch import ForwardRequest, Generation, SequenceChunk
-from shard.config import DEVICES, DTYPES, ShardConfig
+from shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ShardConfig
 from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from shard.runner import ModelRunner, NotReadyError
 from shard.sampling import SamplingParams
@@ -228,6 +228,19 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         help="torch.distributed rendezvous URL shared by every rank (tcp://HOST:PORT or file:///PATH); "
         "required when --world-size > 1",
     )
+    parser.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="CUDA kernels (cuda) or torch references (torch) for attention, KV writes, norms and rotary; "
+        "auto: cuda on --device cuda, torch on cpu (default: auto)",
+    )
+    parser.add_argument(
+        "--cuda-graph-max-batch-size",
+        type=int,
+        default=256,
+        help="capture CUDA graphs of decode steps up to this many sequences; 0 = off (default: 256)",
+    )
     args = parser.parse_args(argv)
     try:
         config = ShardConfig(
@@ -240,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             world_size=args.world_size,
             num_threads=args.num_threads,
             dist_init_method=args.dist_init_method,
+            attention_backend=args.attention_backend,
+            cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -207,6 +207,7 @@ def test_shard_command(model_dir: Path) -> None:
         "--kv-block-size", "32",
         "--rank", "0",
         "--world-size", "1",
+        "--attention-backend", "auto",
         "--num-threads", "2",
     ]  # fmt: skip
 
@@ -226,7 +227,7 @@ IGNORES_SIGTERM = [
 def supervisor() -> Iterator[Supervisor]:
     supervisor = Supervisor()
     yield supervisor
-    supervisor.stop_all(grace_s=1.0)
+    supervisor.stop_all(router_grace_s=1.0)
 
 
 def test_a_dying_child_is_named_and_the_others_are_stopped(supervisor: Supervisor) -> None:
@@ -249,12 +250,24 @@ def test_a_killed_child_is_reported_with_its_signal(supervisor: Supervisor) -> N
         supervisor.supervise()
 
 
+def test_the_router_stops_first_and_shards_wait_for_it(supervisor: Supervisor) -> None:
+    supervisor.start("shard-0", SLEEPER)
+    supervisor.start("router", [sys.executable, "-c", "import signal, sys, time; "
+                                "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), sys.exit(0))); "
+                                "time.sleep(60)"])  # fmt: skip
+    time.sleep(0.3)
+    supervisor.stop_all(router_grace_s=5.0)
+    # The router drained (exit 0) while the shard was still alive; the shard was stopped after it.
+    assert supervisor.children["router"].returncode == 0
+    assert supervisor.children["shard-0"].returncode == -signal.SIGTERM
+
+
 def test_stop_escalates_to_sigkill(supervisor: Supervisor) -> None:
     process = subprocess.Popen(IGNORES_SIGTERM, stdout=subprocess.PIPE, start_new_session=True)
-    supervisor.children["stubborn"] = process
+    supervisor.children["router"] = process
     assert process.stdout is not None and process.stdout.readline() == b"ready\n"
     started = time.monotonic()
-    supervisor.stop_all(grace_s=0.5)
+    supervisor.stop_all(router_grace_s=0.5)
     assert process.returncode == -signal.SIGKILL
     assert time.monotonic() - started < 5
 

@@ -11,6 +11,11 @@ fully masked tile then leaves m, l and the accumulator bitwise unchanged (exp(-i
 so a query gets the same result in a 1000-token prefill, a 50-token chunk or a decode step. Every matmul
 has a fixed key count (a tile is zero-padded past the context) and a row count padded to a multiple of
 ROW_MULTIPLE. Plain softmax over the whole row and F.scaled_dot_product_attention are not (measured).
+
+Backends: with `ForwardContext.kernels` set (the runner does so on CUDA unless `--attention-backend torch`),
+attention, the KV write, RMSNorm and rotary run the CUDA kernels of `kernels/`; otherwise the torch
+references here and in kv_cache.py, norm.py and rotary.py. The kernels are not batch-invariant across batch
+shapes (their decode split count depends on the batch), which the GPU's bf16 GEMMs are not either.
 """
 
 from __future__ import annotations
@@ -22,10 +27,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import kernels
 from shard.kv_cache import KVCache
 from shard.layers.linear import ROW_MULTIPLE
 
 KEY_TILE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class KernelMetadata:
+    """Device-side metadata the CUDA kernels read, built once per forward by the runner (for a CUDA graph, as
+    views of its static buffers). `max_context_len` is an upper bound on context_lens (it sets the decode
+    split count); `is_decode`: every sequence has exactly one query token."""
+
+    context_lens: torch.Tensor  # int32 [num_seqs]
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int
+    max_context_len: int
+    is_decode: bool
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,7 @@ class ForwardContext:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq], int64
     slot_mapping: torch.Tensor  # [num_tokens], int64: where each new token's K/V goes
     positions: torch.Tensor  # [num_tokens], int64
+    kernels: KernelMetadata | None = None  # set: run the CUDA kernels (see the module docstring)
 
 
 _current_context: ForwardContext | None = None
@@ -63,6 +83,11 @@ def get_forward_context() -> ForwardContext:
     if _current_context is None:
         raise RuntimeError("attention called outside `forward_context`; the runner must set it")
     return _current_context
+
+
+def kernels_active() -> bool:
+    """True inside a forward pass that runs the CUDA kernels."""
+    return _current_context is not None and _current_context.kernels is not None
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -137,6 +162,8 @@ class PagedAttention(nn.Module):
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
         ctx = get_forward_context()
         cache = ctx.kv_cache
+        if ctx.kernels is not None:
+            return self._forward_kernels(q, k, v, ctx, ctx.kernels)
         cache.store_kv(self.layer_id, k, v, ctx.slot_mapping)
         k_pool, v_pool = cache.k[self.layer_id], cache.v[self.layer_id]
         out = torch.empty_like(q)
@@ -150,3 +177,24 @@ class PagedAttention(nn.Module):
                 q[start:end], seq_k, seq_v, ctx.positions[start:end], self.scale, KEY_TILE_SIZE
             )
         return out
+
+    def _forward_kernels(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, meta: KernelMetadata
+    ) -> torch.Tensor:
+        k_pool, v_pool = ctx.kv_cache.k[self.layer_id], ctx.kv_cache.v[self.layer_id]
+        kernels.store_kv(k, v, k_pool, v_pool, ctx.slot_mapping)
+        if meta.is_decode:
+            return kernels.paged_decode_attention(
+                q, k_pool, v_pool, ctx.block_tables, meta.context_lens, self.scale, meta.max_context_len
+            )
+        return kernels.paged_prefill_attention(
+            q,
+            k_pool,
+            v_pool,
+            ctx.block_tables,
+            meta.context_lens,
+            meta.cu_seqlens_q,
+            ctx.positions,
+            self.scale,
+            meta.max_query_len,
+        )

@@ -7,6 +7,9 @@ import math
 import torch
 from torch import nn
 
+import kernels
+from shard.layers.attention import kernels_active
+
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths / `factor`, short ones kept, smooth in between."""
@@ -42,7 +45,11 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]. With the CUDA
+        kernels active, q and k are rotated in place and returned."""
+        if kernels_active() and q.is_cuda:
+            kernels.rotary_embedding(q, k, positions, self.inv_freq)
+            return q, k
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]

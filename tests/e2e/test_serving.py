@@ -205,7 +205,8 @@ def test_bad_requests_get_clear_errors(server: Server) -> None:
 
 
 def test_every_block_returns_to_the_pool(server: Server) -> None:
-    info = server.wait_idle()
-    assert info["kv"]["total_blocks"] > 0
-    assert info["kv"]["used_blocks"] == 0
-    assert info["kv"]["free_blocks"] == info["kv"]["total_blocks"]
+    kv = server.wait_idle()["kv"]
+    assert kv["total_blocks"] > 0
+    assert kv["used_blocks"] == 0
+    # Blocks no sequence holds are free or kept by the prefix cache for later hits.
+    assert kv["free_blocks"] + kv["cached_blocks"] == kv["total_blocks"]

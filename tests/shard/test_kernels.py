@@ -1,0 +1,162 @@
+"""The CUDA kernels (kernels/) against the shard's torch references, and the backend dispatch.
+
+CPU tests always run: the dispatch picks the references on the CPU, the fused residual + RMSNorm equals the
+unfused form bitwise, the decode split heuristic. GPU tests are marked `gpu` and skipped without a CUDA device
+(and nvcc); kernels/gpu_check.py is the full sweep with timings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.testing import make_case, max_relative_error, run_attention, run_attention_poisoned
+from launcher import shard_command
+from shard.config import ShardConfig
+from shard.layers.norm import RMSNorm
+from shard.layers.rotary import RotaryEmbedding
+from shard.server import parse_args
+
+requires_gpu = pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and nvcc")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def test_cpu_shard_uses_torch_references(tmp_path):
+    config = ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s")
+    assert config.attention_backend == "auto" and not config.uses_cuda_kernels
+    forced = ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s", attention_backend="torch")
+    assert not forced.uses_cuda_kernels
+    with pytest.raises(ValueError, match="needs device 'cuda'"):
+        ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s", attention_backend="cuda")
+
+
+def test_cuda_device_picks_kernels_unless_forced_to_torch(tmp_path):
+    cuda = dict(model_path=tmp_path, socket_path=tmp_path / "s", device="cuda")
+    assert ShardConfig(**cuda).uses_cuda_kernels
+    assert ShardConfig(**cuda, attention_backend="cuda").uses_cuda_kernels
+    assert not ShardConfig(**cuda, attention_backend="torch").uses_cuda_kernels
+
+
+def test_attention_backend_flag_reaches_the_shard(tmp_path):
+    config = parse_args(["--model-id", str(tmp_path), "--socket", "s", "--attention-backend", "torch"])
+    assert config.attention_backend == "torch"
+    assert parse_args(["--model-id", str(tmp_path), "--socket", "s"]).attention_backend == "auto"
+
+
+def test_launcher_passes_the_backend(monkeypatch, tmp_path):
+    import launcher
+
+    (tmp_path / "model").mkdir()
+    router = tmp_path / "rill-router"
+    router.write_text("")
+    config = launcher.parse_args(
+        ["--model-id", str(tmp_path / "model"), "--router-bin", str(router), "--device", "cpu",
+         "--attention-backend", "torch"],
+        environ={},
+    )  # fmt: skip
+    command = shard_command(config, tmp_path / "sock", 0)
+    assert command[command.index("--attention-backend") + 1] == "torch"
+    with pytest.raises(SystemExit):
+        launcher.parse_args(
+            ["--model-id", str(tmp_path / "model"), "--router-bin", str(router), "--device", "cpu",
+             "--attention-backend", "cuda"],
+            environ={},
+        )  # fmt: skip
+
+
+def test_runner_on_cpu_uses_references_and_no_graphs(llama_runner):
+    assert not llama_runner.uses_cuda_kernels
+    assert llama_runner.decode_graphs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_norm_equals_unfused_reference(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(64).to(dtype)
+    x, residual = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype)
+    out, new_residual = norm(x, residual)
+    assert torch.equal(new_residual, residual + x)
+    assert torch.equal(out, norm(residual + x))
+
+
+def test_decode_splits_fill_the_gpu_and_respect_bounds():
+    assert kernels.decode_num_splits(256, 8, 4096, 132) == 1
+    assert kernels.decode_num_splits(1, 8, 100, 132) == 1  # short context: one split
+    assert kernels.decode_num_splits(1, 8, 10**6, 132) == kernels.MAX_SPLITS
+    assert kernels.decode_num_splits(64, 8, 4096, 132) == 3
+    for num_seqs in (1, 3, 64, 256):
+        assert 1 <= kernels.decode_num_splits(num_seqs, 2, 32768, 132) <= kernels.MAX_SPLITS
+
+
+# GPU tests
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("head_dim", "num_heads", "num_kv_heads", "block_size"),
+    [(64, 8, 8, 16), (128, 32, 8, 32), (64, 16, 2, 16)],
+)
+def test_decode_attention_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size):
+    case = make_case([1] * 5, [1, 17, 300, 1000, 2049], num_heads, num_kv_heads, head_dim, block_size, dtype)
+    expected, k_ref, v_ref = run_attention(case, use_kernels=False)
+    actual, k_out, v_out = run_attention(case, use_kernels=True)
+    assert max_relative_error(actual, expected) <= TOLERANCE[dtype]
+    assert torch.equal(k_out.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_out.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    for num_splits in (1, 3, 64):
+        poisoned = run_attention_poisoned(case, num_splits)
+        assert max_relative_error(poisoned, expected) <= TOLERANCE[dtype], num_splits
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(64, 4, 4), (128, 32, 8), (64, 16, 1)])
+def test_prefill_attention_matches_reference(dtype, head_dim, num_heads, num_kv_heads):
+    # A fresh prompt, a chunk after a cached prefix, a decode token, in one mixed call.
+    case = make_case([40, 33, 1], [40, 300, 77], num_heads, num_kv_heads, head_dim, 16, dtype)
+    expected, _, _ = run_attention(case, use_kernels=False)
+    assert max_relative_error(run_attention(case, use_kernels=True)[0], expected) <= TOLERANCE[dtype]
+    assert max_relative_error(run_attention_poisoned(case), expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rotary_match_reference(dtype):
+    from kernels.testing import ForwardContext, forward_context  # the kernels switch on inside a context
+
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype).cuda()
+    norm.weight.data = torch.randn(576, device="cuda").to(dtype)
+    rotary = RotaryEmbedding(64, 500000.0, None)
+    rotary.inv_freq = rotary.inv_freq.cuda()
+    x, residual = torch.randn(33, 576, device="cuda").to(dtype), torch.randn(33, 576, device="cuda").to(dtype)
+    qkv = torch.randn(33, (9 + 2 * 3) * 64, device="cuda").to(dtype)
+    positions = torch.randint(0, 30000, (33,), device="cuda")
+    expected_out, expected_residual = norm(x, residual)
+    expected_plain = norm(x)
+    q_ref, k_ref = rotary(
+        positions, qkv[:, : 9 * 64].view(33, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(33, 3, 64)
+    )
+    case = make_case([1], [1], 4, 4, 64, 16, dtype)
+    meta_ctx = ForwardContext(
+        None, [0, 1], [1], case.block_tables, case.slot_mapping, case.positions, case.metadata()
+    )  # norm and rotary read only `kernels`
+    with forward_context(meta_ctx):
+        out, new_residual = norm(x, residual)
+        plain = norm(x)
+        qkv_kernel = qkv.clone()
+        rotary(
+            positions,
+            qkv_kernel[:, : 9 * 64].view(33, 9, 64),
+            qkv_kernel[:, 9 * 64 : 12 * 64].view(33, 3, 64),
+        )
+    assert torch.equal(new_residual, expected_residual)
+    assert max_relative_error(out, expected_out) <= TOLERANCE[dtype]
+    assert max_relative_error(plain, expected_plain) <= TOLERANCE[dtype]
+    assert max_relative_error(qkv_kernel[:, : 9 * 64].view(33, 9, 64), q_ref) <= TOLERANCE[dtype]
+    assert max_relative_error(qkv_kernel[:, 9 * 64 : 12 * 64].view(33, 3, 64), k_ref) <= TOLERANCE[dtype]
+    assert torch.equal(qkv_kernel[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
