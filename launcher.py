@@ -71,6 +71,7 @@ class LaunchConfig:
     api_key: str | None  # handed to the router through its environment, never on a command line
     json_logs: bool
     log_prompts: bool
+    restart_shards: bool
     num_threads: int | None  # None: the shard keeps torch's default
     attention_backend: str  # auto (cuda kernels on cuda, torch on cpu), cuda or torch
     router_bin: Path
@@ -122,6 +123,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("api-key", str, None, "require `Authorization: Bearer <key>` on generation and tokenize routes")
     switch("json-logs", "log one JSON object per line (router) instead of text")
     switch("log-prompts", "log prompts' text (never logged otherwise)")
+    switch("restart-shards", "restart the shards when one dies (requests in flight fail) instead of exiting")
     flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
     flag("attention-backend", str, "auto", "cuda (kernels/) or torch (references); auto = cuda on cuda")
     flag("router-bin", Path, None, "rill-router binary; auto = on PATH, else ./target/{release,debug}/")
@@ -194,6 +196,7 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         api_key=args.api_key or None,
         json_logs=args.json_logs,
         log_prompts=args.log_prompts,
+        restart_shards=args.restart_shards,
         num_threads=num_threads,
         attention_backend=args.attention_backend,
         router_bin=router_bin,
@@ -345,6 +348,19 @@ class Supervisor:
             self.check()
             self.stop_requested.wait(POLL_INTERVAL_S)
 
+    def stop_group(self, names: Sequence[str]) -> None:
+        """Stops these children (SIGTERM, then SIGKILL after the grace period) and forgets them."""
+        for name in names:
+            process = self.children.pop(name)
+            if process.poll() is None:
+                _signal_group(process, signal.SIGTERM)
+                try:
+                    process.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    _signal_group(process, signal.SIGKILL)
+                    process.wait()
+            _signal_group(process, signal.SIGKILL)  # grandchildren left in its group
+
     def stop_all(self, router_grace_s: float = STOP_GRACE_S) -> None:
         """Stops the router first and waits for it (it drains requests in flight for up to its
         --shutdown-timeout, which needs the shards alive), then the shards: SIGTERM to each child's
@@ -409,13 +425,18 @@ def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
         }
         # The ranks rendezvous through a file in the private folder: no port to pick, nothing to race for.
         dist_init_method = f"file://{socket_dir}/dist-init" if config.num_shard > 1 else None
-        for rank, socket_path in enumerate(socket_paths):
-            command = shard_command(config, socket_path, rank, dist_init_method)
-            supervisor.start(f"shard-{rank}", command, shard_env)
-        for rank, socket_path in enumerate(socket_paths):
-            is_ready = functools.partial(shard_is_healthy, socket_path)
-            supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)
-            logger.info("shard-%d is healthy", rank)
+
+        def start_shards() -> None:
+            Path(socket_dir, "dist-init").unlink(missing_ok=True)  # a stale rendezvous file hangs a restart
+            for rank, socket_path in enumerate(socket_paths):
+                command = shard_command(config, socket_path, rank, dist_init_method)
+                supervisor.start(f"shard-{rank}", command, shard_env)
+            for rank, socket_path in enumerate(socket_paths):
+                is_ready = functools.partial(shard_is_healthy, socket_path)
+                supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)
+                logger.info("shard-%d is healthy", rank)
+
+        start_shards()
 
         router_env = {"RUST_LOG": config.log_level, **os.environ}
         if config.api_key:
@@ -428,7 +449,17 @@ def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
         is_ready = functools.partial(router_is_healthy, base_url)
         supervisor.wait_until(is_ready, "router", ROUTER_START_TIMEOUT_S)
         logger.info("Rill is serving %s at http://%s:%d", config.model_id, config.hostname, config.port)
-        supervisor.supervise()
+        while True:
+            try:
+                supervisor.supervise()
+            except ChildExited as error:
+                if not (config.restart_shards and error.name.startswith("shard-")):
+                    raise
+                # A tensor-parallel group cannot lose a rank: every shard restarts. The router fails the
+                # requests in flight, waits for the shards, warms them up again and carries on.
+                logger.error("%s; restarting the shards (--restart-shards)", error)
+                supervisor.stop_group([name for name in supervisor.children if name.startswith("shard-")])
+                start_shards()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

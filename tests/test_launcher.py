@@ -65,6 +65,7 @@ def test_defaults(model_dir: Path) -> None:
         api_key=None,
         json_logs=False,
         log_prompts=False,
+        restart_shards=False,
         num_threads=launcher._num_cpus(),
         attention_backend="auto",
         router_bin=ROUTER_BIN,
@@ -380,3 +381,11 @@ def test_sigterm_stops_rill_cleanly(running_launcher: RunningLauncher) -> None:
     running_launcher.process.send_signal(signal.SIGTERM)
     assert running_launcher.process.wait(timeout=30) == 0, running_launcher.output
     assert all(_is_gone(pid) for pid in pids)
+
+
+def test_the_readme_documents_every_flag() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for action in launcher.build_parser({})._actions:
+        for option in action.option_strings:
+            if option.startswith("--") and option != "--help":
+                assert f"`{option}`" in readme, f"README.md does not document {option}"

@@ -1,0 +1,64 @@
+"""End to end: with `--restart-shards`, a killed shard fails the requests in flight, is restarted, and the
+same router serves new requests again; without it the launcher exits non-zero (tests/test_launcher.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from .conftest import start_server, stop_server
+
+
+def test_a_killed_shard_is_restarted_and_serving_resumes(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    server = start_server(
+        default_model, tmp_path_factory.mktemp("restart"),
+        "--max-batch-tokens", "128", "--max-batch-total-tokens", "8192", "--restart-shards",
+    )  # fmt: skip
+    try:
+        pids = [int(p) for p in re.findall(r"shard-0 has pid (\d+)", server.log_path.read_text())]
+        assert pids, server.log_path.read_text()
+        outcome: dict[str, object] = {}
+
+        def in_flight() -> None:
+            body = {"inputs": "Count: 1, 2, 3,", "parameters": {"max_new_tokens": 200}}
+            started = time.monotonic()
+            response = requests.post(f"{server.url}/generate", json=body, timeout=120)
+            outcome["status"], outcome["seconds"] = response.status_code, time.monotonic() - started
+            outcome["body"] = response.json()
+
+        thread = threading.Thread(target=in_flight)
+        thread.start()
+        time.sleep(1.5)
+        killed_at = time.monotonic()
+        os.kill(pids[-1], signal.SIGKILL)
+        thread.join(60)
+        assert not thread.is_alive(), "the request in flight hangs"
+        assert outcome["status"] == 500, outcome
+        assert "shard" in str(outcome["body"]).lower()
+        # The launcher restarts the shard and the router warms it up again.
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.process.poll() is None, server.log_path.read_text()[-3000:]
+            ready = requests.get(f"{server.url}/ready", timeout=5)
+            if ready.status_code == 200:
+                break
+            assert time.monotonic() < deadline, ready.text
+            time.sleep(1)
+        assert time.monotonic() - killed_at < 180
+        body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 5}}
+        again = requests.post(f"{server.url}/generate", json=body, timeout=120)
+        assert again.status_code == 200, again.text
+        assert len(re.findall(r"shard-0 has pid (\d+)", server.log_path.read_text())) == 2
+        assert server.info()["kv"]["used_blocks"] == 0 or server.wait_idle()["kv"]["used_blocks"] == 0
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0
