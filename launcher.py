@@ -67,9 +67,13 @@ class LaunchConfig:
     served_model_name: str | None
     shutdown_timeout: int
     prefix_caching: bool
+    preemption_mode: str  # recompute, swap or auto
+    swap_space: float  # GiB of host memory per shard for swapped-out KV blocks
+    kv_admission: str  # incremental or reserve
     max_body_bytes: int
     api_key: str | None  # handed to the router through its environment, never on a command line
     json_logs: bool
+    otlp_endpoint: str | None  # OpenTelemetry collector for the router's and the shards' spans
     log_prompts: bool
     restart_shards: bool
     num_threads: int | None  # None: the shard keeps torch's default
@@ -119,9 +123,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("served-model-name", str, None, "model name of the OpenAI API; auto = the model folder's name")
     flag("shutdown-timeout", int, 30, "on SIGTERM, seconds for requests in flight to finish (new: 503)")
     switch("no-prefix-caching", "turn off the prefix cache (on by default)")
+    flag("preemption-mode", str, "auto", "recompute, swap (to host memory) or auto (the cheaper, measured)")
+    flag("swap-space", float, 4.0, "GiB of host memory per shard for swapped-out KV blocks")
+    flag("kv-admission", str, "incremental", "incremental, or reserve (prompt + max_new_tokens; a baseline)")
     flag("max-body-bytes", int, 2 << 20, "largest request body accepted; larger ones get 413")
     flag("api-key", str, None, "require `Authorization: Bearer <key>` on generation and tokenize routes")
     switch("json-logs", "log one JSON object per line (router) instead of text")
+    flag("otlp-endpoint", str, None, "send OpenTelemetry traces (OTLP/HTTP) from router and shards here")
     switch("log-prompts", "log prompts' text (never logged otherwise)")
     switch("restart-shards", "restart the shards when one dies (requests in flight fail) instead of exiting")
     flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
@@ -146,6 +154,12 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if args.scheduling not in ("continuous", "static"):
         parser.error(f"--scheduling must be continuous or static, got {args.scheduling!r}")
+    if args.preemption_mode not in ("recompute", "swap", "auto"):
+        parser.error(f"--preemption-mode must be recompute, swap or auto, got {args.preemption_mode!r}")
+    if args.kv_admission not in ("incremental", "reserve"):
+        parser.error(f"--kv-admission must be incremental or reserve, got {args.kv_admission!r}")
+    if not args.swap_space >= 0:
+        parser.error(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
     if args.attention_backend not in ("auto", "cuda", "torch"):
         parser.error(f"--attention-backend must be auto, cuda or torch, got {args.attention_backend!r}")
     if args.attention_backend == "cuda" and device != "cuda":
@@ -192,9 +206,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         served_model_name=args.served_model_name,
         shutdown_timeout=args.shutdown_timeout,
         prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        kv_admission=args.kv_admission,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,
         json_logs=args.json_logs,
+        otlp_endpoint=args.otlp_endpoint or None,
         log_prompts=args.log_prompts,
         restart_shards=args.restart_shards,
         num_threads=num_threads,
@@ -259,6 +277,8 @@ def shard_command(
         command += ["--num-threads", str(config.num_threads)]
     if dist_init_method is not None:
         command += ["--dist-init-method", dist_init_method]
+    if config.otlp_endpoint:
+        command += ["--otlp-endpoint", config.otlp_endpoint]
     return command
 
 
@@ -284,11 +304,16 @@ def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[s
         "--static-batch-wait-ms", str(config.static_batch_wait_ms),
         "--shutdown-timeout", str(config.shutdown_timeout),
         "--max-body-bytes", str(config.max_body_bytes),
+        "--preemption-mode", config.preemption_mode,
+        "--swap-space", str(config.swap_space),
+        "--kv-admission", config.kv_admission,
     ]  # fmt: skip
     if config.target_itl_ms:
         command += ["--target-itl-ms", str(config.target_itl_ms)]
     if config.served_model_name:
         command += ["--served-model-name", config.served_model_name]
+    if config.otlp_endpoint:
+        command += ["--otlp-endpoint", config.otlp_endpoint]
     switches = {
         "--no-prefix-caching": not config.prefix_caching,
         "--json-logs": config.json_logs,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Rill's load generator for OpenAI-compatible and Rill/TGI-native servers. "
         "See bench/README.md.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{run,sweep,compare,soak}")
     run = commands.add_parser(
         "run",
         help="one workload against one server",
@@ -192,12 +193,102 @@ def build_parser() -> argparse.ArgumentParser:
         help="repeat the pair this many times, alternating the order (ab, ba, ab, ...) to even "
         "out drift; records are pooled per side (default: %(default)s)",
     )
+    _add_soak_parser(commands)
     for sub, is_rate_flag in ((run, True), (sweep, False), (compare, True)):
         _add_target_flags(sub)
         _add_workload_flags(sub)
         _add_arrival_flags(sub, is_rate_flag)
         _add_output_flags(sub)
     return parser
+
+
+def _add_soak_parser(commands: argparse._SubParsersAction) -> None:
+    soak = commands.add_parser(
+        "soak",
+        help="robustness soak: load beyond capacity, disconnecting clients, malformed requests",
+        description="Keep --capacity-multiple x the server's max_concurrent_requests (GET /info) requests "
+        "in flight: a share disconnect at random moments, a share are malformed; then check that no KV block "
+        "leaked, the server is healthy and ready, and count outcomes. Exits 1 on any 5xx (other than 503), "
+        "stream or connection error, timeout, leak, or unhealthy server.",
+    )
+    soak.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL (default: %(default)s)")
+    soak.add_argument(
+        "--api",
+        choices=API_FLAVOURS,
+        default="native",
+        help="API of the normal requests (default: %(default)s)",
+    )
+    soak.add_argument("--model", help="OpenAI `model` field (default: the first of GET /v1/models)")
+    soak.add_argument("--num-requests", type=int, default=5000, help="requests in all (default: %(default)s)")
+    soak.add_argument(
+        "--capacity-multiple",
+        type=float,
+        default=2.0,
+        help="requests in flight, as a multiple of max_concurrent_requests (default: %(default)s)",
+    )
+    soak.add_argument(
+        "--disconnect-share",
+        type=float,
+        default=0.1,
+        help="share of requests the client drops at a random moment (default: %(default)s)",
+    )
+    soak.add_argument(
+        "--disconnect-max-s",
+        type=float,
+        default=0.5,
+        help="a dropped request is dropped after a random delay up to this (default: %(default)s)",
+    )
+    soak.add_argument(
+        "--malformed-share",
+        type=float,
+        default=0.05,
+        help="share of malformed requests: bad JSON, bad fields (default: %(default)s)",
+    )
+    soak.add_argument(
+        "--duration", type=float, help="seconds after which no new request starts (default: no bound)"
+    )
+    soak.add_argument(
+        "--max-tokens",
+        type=int,
+        default=16,
+        help="output tokens of each normal request (default: %(default)s)",
+    )
+    soak.add_argument("--seed", type=int, default=0, help="seeds every draw (default: %(default)s)")
+    soak.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds one request may take before it counts as a timeout (default: %(default)s)",
+    )
+    soak.add_argument("--json", type=Path, help="write the figures to this JSON file")
+    soak.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from bench.soak import SoakConfig, format_soak, run_soak, soak_json
+
+    config = SoakConfig(
+        num_requests=args.num_requests,
+        capacity_multiple=args.capacity_multiple,
+        disconnect_share=args.disconnect_share,
+        malformed_share=args.malformed_share,
+        duration_s=args.duration,
+        max_tokens=args.max_tokens,
+        disconnect_max_s=args.disconnect_max_s,
+        timeout_s=args.timeout,
+        seed=args.seed,
+    )
+    target = Target(url=args.url, api=args.api, model=args.model)
+    result = asyncio.run(run_soak(target, config, is_progress_shown=not args.no_progress))
+    title = (
+        f"soak {args.url} ({args.api}): {args.num_requests} at {args.capacity_multiple:g}x capacity, "
+        f"{args.disconnect_share:.0%} disconnecting, {args.malformed_share:.0%} malformed, seed {args.seed}"
+    )
+    print(format_soak(title, result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"mode": "soak", **soak_json(config, result)}, indent=2) + "\n")
+    return 0 if result.is_ok else 1
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[Session], list[RequestSpec]]:
@@ -349,7 +440,7 @@ def _records_of(results: list[RunResult]) -> list[RequestRecord]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare}[args.command]
+    command = {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "soak": cmd_soak}[args.command]
     try:
         return command(args)
     except ValueError as error:

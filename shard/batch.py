@@ -29,9 +29,20 @@ class SequenceChunk:
 
 
 @dataclass(frozen=True)
+class BlockCopy:
+    """One KV block copied between the device pool and the host swap pool (see `BlockCopy` in the proto)."""
+
+    device_block: int
+    host_block: int
+
+
+@dataclass(frozen=True)
 class ForwardRequest:
     sequences: list[SequenceChunk]
     released_ids: list[int] = field(default_factory=list)
+    # Executed before the forward: swap_out first (device -> host), then swap_in (host -> device).
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

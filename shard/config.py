@@ -26,7 +26,8 @@ class ShardConfig:
     (tcp://127.0.0.1:PORT, or file:///PATH in a folder private to one launch).
     `attention_backend` picks the CUDA kernels of kernels/ or the torch references for attention, KV writes,
     norms and rotary (auto: kernels on cuda, references on cpu); `cuda_graph_max_batch_size` bounds the decode
-    batch sizes captured as CUDA graphs with the kernels (0: none).
+    batch sizes captured as CUDA graphs with the kernels (0: none). `otlp_endpoint`, when set, is the
+    OpenTelemetry collector the server sends its `forward` spans to (shard/telemetry.py).
     """
 
     model_path: Path
@@ -40,6 +41,7 @@ class ShardConfig:
     dist_init_method: str | None = None
     attention_backend: str = "auto"
     cuda_graph_max_batch_size: int = 256
+    otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -57,6 +57,16 @@ WARMUP_PARAMS = SamplingParams(
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupResult:
+    """What Warmup answers (see `WarmupResponse` in the proto)."""
+
+    num_blocks: int
+    num_host_blocks: int
+    swap_seconds_per_block: float
+    prefill_seconds_per_token: float
+
+
 class NotReadyError(RuntimeError):
     """A forward was asked for before `warmup` allocated the KV pool."""
 
@@ -142,9 +152,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def warmup(self, max_batch_tokens: int, max_batch_size: int, max_total_kv_tokens: int) -> int:
-        """Runs a forward at the largest batch the router will send, then allocates the pool; returns its
-        number of blocks, null block 0 included."""
+    def warmup(
+        self, max_batch_tokens: int, max_batch_size: int, max_total_kv_tokens: int, swap_space_bytes: int = 0
+    ) -> WarmupResult:
+        """Runs a forward at the largest batch the router will send, then allocates the pool (and a swap
+        pool of `swap_space_bytes`); returns their sizes in blocks, null block 0 included, and the measured
+        costs of recomputing a token and of swapping a block."""
         if not 1 <= max_batch_size <= max_batch_tokens:
             raise ValueError(
                 f"need 1 <= max_batch_size <= max_batch_tokens, got max_batch_size={max_batch_size}, "
@@ -174,19 +187,50 @@ class ModelRunner:
             next_block += num_blocks
         start = time.perf_counter()
         self._run(ForwardRequest(sequences=sequences), check_lengths=False)
+        warmup_s = time.perf_counter() - start
         logger.info(
             "warmup forward of %d tokens in %d sequences took %.2fs",
             max_batch_tokens,
             max_batch_size,
-            time.perf_counter() - start,
+            warmup_s,
         )
         self.clear()
         self.kv_cache = None
         # Every rank uses the router's block tables, so every pool needs the same number of blocks.
         num_blocks = distributed.all_reduce_min(self._decide_num_blocks(max_total_kv_tokens))
         self.kv_cache = self._new_kv_cache(num_blocks)
+        num_host_blocks = min(swap_space_bytes // self._bytes_per_block(), 2**32 - 1)  # a uint32 in the proto
+        num_host_blocks = distributed.all_reduce_min(num_host_blocks)
+        self.kv_cache.allocate_host_pool(num_host_blocks)
+        swap_seconds_per_block = self._measure_swap() if self.kv_cache.num_host_blocks else 0.0
+        if self.kv_cache.num_host_blocks:
+            logger.info(
+                "swap pool: %d host blocks (%.2f GiB); one block out and back in takes %.1f us",
+                self.kv_cache.num_host_blocks,
+                self.kv_cache.num_host_blocks * self._bytes_per_block() / 2**30,
+                swap_seconds_per_block * 1e6,
+            )
         self._capture_decode_graphs(max_batch_size, num_blocks)
-        return num_blocks
+        return WarmupResult(
+            num_blocks=num_blocks,
+            num_host_blocks=self.kv_cache.num_host_blocks,
+            swap_seconds_per_block=swap_seconds_per_block,
+            prefill_seconds_per_token=warmup_s / max_batch_tokens,
+        )
+
+    def _measure_swap(self, num_repeats: int = 4) -> float:
+        """Seconds to copy one block out to the host and back in, averaged over a few multi-block copies (the
+        pool holds nothing yet, so any blocks will do)."""
+        assert self.kv_cache is not None
+        num_copied = min(8, self.kv_cache.num_blocks - 1, self.kv_cache.num_host_blocks - 1)
+        blocks = list(range(1, num_copied + 1))
+        start = time.perf_counter()
+        for _ in range(num_repeats):
+            self.kv_cache.swap_out(blocks, blocks)
+            self.kv_cache.swap_in(blocks, blocks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) / (num_repeats * num_copied)
 
     def _capture_decode_graphs(self, max_batch_size: int, num_blocks: int) -> None:
         max_graph_batch_size = min(max_batch_size, self.config.cuda_graph_max_batch_size)
@@ -237,6 +281,13 @@ class ModelRunner:
         for seq_id in request.released_ids:
             self.params_by_id.pop(seq_id, None)
             self.history.release(seq_id)
+        # Swapped-out blocks leave before anything overwrites them; swapped-in ones arrive before the forward.
+        self.kv_cache.swap_out(
+            [c.device_block for c in request.swap_out], [c.host_block for c in request.swap_out]
+        )
+        self.kv_cache.swap_in(
+            [c.host_block for c in request.swap_in], [c.device_block for c in request.swap_in]
+        )
         return self._run(request)
 
     def _run(self, request: ForwardRequest, check_lengths: bool = True) -> list[Generation]:

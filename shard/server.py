@@ -15,16 +15,19 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
 
-from shard.batch import ForwardRequest, Generation, SequenceChunk
+from shard.batch import BlockCopy, ForwardRequest, Generation, SequenceChunk
 from shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ShardConfig
 from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from shard.runner import ModelRunner, NotReadyError
 from shard.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from shard.telemetry import ForwardTracer
 
 logger = logging.getLogger("shard.server")
 
@@ -67,6 +70,8 @@ def forward_request_from_pb(request: shard_pb2.ForwardRequest) -> ForwardRequest
             )
             for seq in request.sequences
         ],
+        swap_out=[BlockCopy(c.device_block, c.host_block) for c in request.swap_out],
+        swap_in=[BlockCopy(c.device_block, c.host_block) for c in request.swap_in],
     )
 
 
@@ -82,8 +87,9 @@ def generation_to_pb(generation: Generation) -> shard_pb2.Generation:
 
 
 class ShardServicer(shard_pb2_grpc.ShardServicer):
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, tracer: ForwardTracer | None = None) -> None:
         self.runner = runner
+        self.tracer = tracer  # records a `forward` span per call with --otlp-endpoint
         self.lock = asyncio.Lock()  # one runner call at a time
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
@@ -124,13 +130,21 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def Warmup(
         self, request: shard_pb2.WarmupRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.WarmupResponse:
-        num_blocks = await self._call(
+        result = await self._call(
             context,
             lambda: self.runner.warmup(
-                request.max_batch_tokens, request.max_batch_size, request.max_total_kv_tokens
+                request.max_batch_tokens,
+                request.max_batch_size,
+                request.max_total_kv_tokens,
+                request.swap_space_bytes,
             ),
         )
-        return shard_pb2.WarmupResponse(num_blocks=num_blocks)
+        return shard_pb2.WarmupResponse(
+            num_blocks=result.num_blocks,
+            num_host_blocks=result.num_host_blocks,
+            swap_seconds_per_block=result.swap_seconds_per_block,
+            prefill_seconds_per_token=result.prefill_seconds_per_token,
+        )
 
     async def _forward(
         self, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
@@ -142,10 +156,23 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             forward_time_us=int(self.runner.last_model_time_s * 1e6),
         )
 
+    async def _traced_forward(
+        self, method: str, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.ForwardResponse:
+        """`_forward`, inside a `forward` span (a child of the router's step span) when tracing."""
+        if self.tracer is None:
+            return await self._forward(request, context)
+        with self.tracer.forward_span(method, context.invocation_metadata()) as span:
+            span.set_attribute("rill.sequences", len(request.sequences))
+            span.set_attribute("rill.tokens", sum(len(seq.token_ids) for seq in request.sequences))
+            response = await self._forward(request, context)
+            span.set_attribute("rill.forward_time_us", response.forward_time_us)
+            return response
+
     async def Prefill(
         self, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.ForwardResponse:
-        return await self._forward(request, context)
+        return await self._traced_forward("Prefill", request, context)
 
     async def Decode(
         self, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
@@ -154,7 +181,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "Decode: every sequence must carry exactly one token"
             )
-        return await self._forward(request, context)
+        return await self._traced_forward("Decode", request, context)
 
     async def ClearCache(
         self, request: shard_pb2.ClearCacheRequest, context: grpc.aio.ServicerContext
@@ -172,13 +199,21 @@ async def serve(config: ShardConfig) -> None:
             "rank %d/%d cannot load %s: %s", config.rank, config.world_size, config.model_path, error
         )
         raise SystemExit(2) from None
+    tracer = None
+    if config.otlp_endpoint:
+        try:
+            from shard.telemetry import ForwardTracer
+        except ImportError as error:
+            logger.error("--otlp-endpoint needs the `tracing` extra (pip install 'rill[tracing]'): %s", error)
+            raise SystemExit(2) from None
+        tracer = ForwardTracer(config.otlp_endpoint, config.rank, config.world_size)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 256 * 2**20),
             ("grpc.max_send_message_length", 256 * 2**20),
         ]
     )
-    shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(runner), server)
+    shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(runner, tracer), server)
     config.socket_path.unlink(missing_ok=True)
     server.add_insecure_port(f"unix://{config.socket_path}")
     await server.start()
@@ -191,6 +226,8 @@ async def serve(config: ShardConfig) -> None:
     logger.info("shutting down")
     await server.stop(grace=2.0)
     config.socket_path.unlink(missing_ok=True)
+    if tracer is not None:
+        tracer.shutdown()  # exports the spans still buffered
 
 
 def parse_args(argv: list[str] | None = None) -> ShardConfig:
@@ -241,6 +278,12 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         default=256,
         help="capture CUDA graphs of decode steps up to this many sequences; 0 = off (default: 256)",
     )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="send OpenTelemetry spans over OTLP/HTTP to this collector (spans go to URL/v1/traces); "
+        "needs the `tracing` extra",
+    )
     args = parser.parse_args(argv)
     try:
         config = ShardConfig(
@@ -255,6 +298,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             dist_init_method=args.dist_init_method,
             attention_backend=args.attention_backend,
             cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
+            otlp_endpoint=args.otlp_endpoint,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -61,9 +61,13 @@ def test_defaults(model_dir: Path) -> None:
         served_model_name=None,
         shutdown_timeout=30,
         prefix_caching=True,
+        preemption_mode="auto",
+        swap_space=4.0,
+        kv_admission="incremental",
         max_body_bytes=2 << 20,
         api_key=None,
         json_logs=False,
+        otlp_endpoint=None,
         log_prompts=False,
         restart_shards=False,
         num_threads=launcher._num_cpus(),
@@ -189,6 +193,9 @@ def test_router_command(model_dir: Path) -> None:
         "--static-batch-wait-ms", "1000",
         "--shutdown-timeout", "30",
         "--max-body-bytes", str(2 << 20),
+        "--preemption-mode", "auto",
+        "--swap-space", "4.0",
+        "--kv-admission", "incremental",
     ]  # fmt: skip
     flags = ["--no-prefix-caching", "--json-logs", "--target-itl-ms", "50", "--api-key", "k"]
     switched = parse(model_dir, *flags)
@@ -211,6 +218,17 @@ def test_shard_command(model_dir: Path) -> None:
         "--attention-backend", "auto",
         "--num-threads", "2",
     ]  # fmt: skip
+
+
+def test_otlp_endpoint_goes_to_router_and_shards(model_dir: Path) -> None:
+    config = parse(model_dir, "--otlp-endpoint", "http://collector:4318")
+    for command in (
+        launcher.router_command(config, [Path("/run/x/shard-0.sock")]),
+        launcher.shard_command(config, Path("/run/x/shard-0.sock"), 0),
+    ):
+        i = command.index("--otlp-endpoint")
+        assert command[i + 1] == "http://collector:4318"
+    assert "--otlp-endpoint" not in launcher.router_command(parse(model_dir), [Path("/run/x/shard-0.sock")])
 
 
 # Supervision, with stand-in children (the launcher itself only ever runs the real shard and router).

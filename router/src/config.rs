@@ -4,6 +4,8 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Parser, ValueEnum};
 
+use crate::scheduler::{KvAdmission, PreemptionMode};
+
 /// rill-router: Rill's HTTP server, scheduler and KV block owner. Normally started by `launcher.py`,
 /// which starts the shards first; the router connects to them, sizes the KV pool (Warmup) and serves.
 #[derive(Debug, Parser)]
@@ -61,6 +63,21 @@ pub struct Args {
     /// step time measured at warmup and while serving; unset = a fixed --max-batch-tokens budget.
     #[arg(long)]
     pub target_itl_ms: Option<f64>,
+    /// How a preempted sequence gives up its KV blocks: `recompute` (free them; recompute its K/V when it
+    /// resumes), `swap` (copy them to the host swap pool and back when room returns; recompute when the
+    /// swap pool is full) or `auto` (swap when the swap pool has room and copying is cheaper than
+    /// recomputing, as the shards measured at warmup).
+    #[arg(long, value_enum, default_value_t = PreemptionModeArg::Auto)]
+    pub preemption_mode: PreemptionModeArg,
+    /// Host memory for the swap pool, in GiB per shard (pinned on a GPU); unused with
+    /// `--preemption-mode recompute`.
+    #[arg(long, default_value_t = 4.0)]
+    pub swap_space: f64,
+    /// How admission claims KV blocks: `incremental` (as tokens are computed; preempt when the pool runs
+    /// out) or `reserve` (TGI's policy, a benchmark baseline: reserve prompt + max_new_tokens at
+    /// admission, never preempt).
+    #[arg(long, value_enum, default_value_t = KvAdmissionArg::Incremental)]
+    pub kv_admission: KvAdmissionArg,
     /// Turn off the prefix cache (on by default: computed prompt blocks are kept and reused).
     #[arg(long)]
     pub no_prefix_caching: bool,
@@ -80,9 +97,47 @@ pub struct Args {
     /// Log one JSON object per line (request id, timings, outcome as fields) instead of text.
     #[arg(long)]
     pub json_logs: bool,
+    /// Send OpenTelemetry spans (request, queue, step) over OTLP/HTTP to this collector, e.g.
+    /// `http://localhost:4318` (spans go to `URL/v1/traces`); the shards join the same traces.
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
     /// Seconds to wait for the shards' sockets to answer at start.
     #[arg(long, default_value_t = 60)]
     pub shard_connect_timeout: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "lower")]
+pub enum PreemptionModeArg {
+    Recompute,
+    Swap,
+    Auto,
+}
+
+impl From<PreemptionModeArg> for PreemptionMode {
+    fn from(mode: PreemptionModeArg) -> Self {
+        match mode {
+            PreemptionModeArg::Recompute => PreemptionMode::Recompute,
+            PreemptionModeArg::Swap => PreemptionMode::Swap,
+            PreemptionModeArg::Auto => PreemptionMode::Auto,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[value(rename_all = "lower")]
+pub enum KvAdmissionArg {
+    Incremental,
+    Reserve,
+}
+
+impl From<KvAdmissionArg> for KvAdmission {
+    fn from(admission: KvAdmissionArg) -> Self {
+        match admission {
+            KvAdmissionArg::Incremental => KvAdmission::Incremental,
+            KvAdmissionArg::Reserve => KvAdmission::Reserve,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -112,6 +167,10 @@ pub struct BatchConfig {
     pub target_itl_ms: Option<f64>,
     pub max_queue_time: Option<Duration>,
     pub prefix_caching: bool,
+    pub preemption_mode: PreemptionMode,
+    /// Host swap pool per shard, in bytes; 0 with `--preemption-mode recompute`.
+    pub swap_space_bytes: u64,
+    pub kv_admission: KvAdmission,
 }
 
 #[derive(Debug, Clone)]
@@ -142,6 +201,11 @@ impl Config {
         );
         anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
+        anyhow::ensure!(
+            args.swap_space >= 0.0 && args.swap_space.is_finite(),
+            "--swap-space must be a non-negative number of GiB, got {}",
+            args.swap_space
+        );
         if let Some(target) = args.target_itl_ms {
             anyhow::ensure!(target > 0.0, "--target-itl-ms must be positive, got {target}");
         }
@@ -175,6 +239,13 @@ impl Config {
                 target_itl_ms: args.target_itl_ms,
                 max_queue_time: (args.max_queue_time > 0).then(|| Duration::from_secs(args.max_queue_time)),
                 prefix_caching: !args.no_prefix_caching,
+                preemption_mode: args.preemption_mode.into(),
+                swap_space_bytes: if args.preemption_mode == PreemptionModeArg::Recompute {
+                    0
+                } else {
+                    (args.swap_space * f64::from(1u32 << 30)) as u64
+                },
+                kv_admission: args.kv_admission.into(),
             },
         })
     }

@@ -10,6 +10,7 @@ mod kv;
 mod metrics;
 mod scheduler;
 mod shard;
+mod telemetry;
 mod text;
 mod validation;
 
@@ -28,7 +29,7 @@ use tokio::sync::{mpsc, Semaphore};
 
 use crate::{
     config::{Args, Config, Scheduling},
-    engine::{EngineConfig, EngineCore, EngineHandle},
+    engine::{EngineConfig, EngineCore, EngineHandle, PreemptionConfig},
     kv::KvPool,
     scheduler::{BatchingMode, SchedulerConfig},
     shard::{pb, GrpcShards, ShardClient},
@@ -38,18 +39,8 @@ use crate::{
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if args.json_logs {
-        tracing_subscriber::fmt()
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .with_env_filter(filter)
-            .init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
+    // Dropped last, on every way out of `main`: flushes the spans still buffered.
+    let _telemetry = telemetry::init(args.json_logs, args.otlp_endpoint.as_deref())?;
     let config = Config::from_args(args)?;
 
     let tokenizer_path = config.model_id.join("tokenizer.json");
@@ -68,14 +59,13 @@ async fn main() -> anyhow::Result<()> {
     tracing::info!(?shard_info, "shard info");
 
     tracing::info!("warming up: sizing the KV pool");
-    let warmup = shards
-        .warmup(pb::WarmupRequest {
-            max_batch_tokens: config.batch.max_batch_tokens,
-            max_batch_size: config.batch.max_batch_size,
-            max_total_kv_tokens: config.batch.max_batch_total_tokens,
-        })
-        .await
-        .context("shard Warmup failed")?;
+    let warmup_request = pb::WarmupRequest {
+        max_batch_tokens: config.batch.max_batch_tokens,
+        max_batch_size: config.batch.max_batch_size,
+        max_total_kv_tokens: config.batch.max_batch_total_tokens,
+        swap_space_bytes: config.batch.swap_space_bytes,
+    };
+    let warmup = shards.warmup(warmup_request).await.context("shard Warmup failed")?;
     let block_size = shard_info.block_size as usize;
     let kv = KvPool::new(warmup.num_blocks, block_size, config.batch.prefix_caching);
     let num_usable_blocks = kv.num_usable_blocks() as usize;
@@ -87,6 +77,11 @@ async fn main() -> anyhow::Result<()> {
         block_size,
         kv_tokens = num_usable_blocks * block_size,
         prefix_caching = config.batch.prefix_caching,
+        preemption_mode = ?config.batch.preemption_mode,
+        kv_admission = ?config.batch.kv_admission,
+        swap_blocks = warmup.num_host_blocks.saturating_sub(1),
+        swap_us_per_block = f64::from(warmup.swap_seconds_per_block) * 1e6,
+        prefill_us_per_token = f64::from(warmup.prefill_seconds_per_token) * 1e6,
         "KV pool ready"
     );
 
@@ -102,10 +97,14 @@ async fn main() -> anyhow::Result<()> {
                     max_wait_ms: config.batch.static_batch_wait_ms,
                 },
             },
+            kv_admission: config.batch.kv_admission,
             max_times_overtaken: MAX_TIMES_OVERTAKEN,
         },
         target_itl_ms: config.batch.target_itl_ms,
         max_queue_time: config.batch.max_queue_time,
+        warmup: warmup_request,
+        prefix_caching: config.batch.prefix_caching,
+        preemption: PreemptionConfig::from_warmup(config.batch.preemption_mode, &warmup),
     };
     let metrics = Arc::new(metrics::Metrics::new());
     let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();

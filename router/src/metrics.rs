@@ -50,7 +50,14 @@ pub struct Metrics {
     pub prefix_cache_evicted_blocks: IntCounter,
     pub prompt_tokens_computed: IntCounter,
     pub generated_tokens: IntCounter,
-    pub preemptions: IntCounter,
+    /// Preemptions by mechanism (`mode`: recompute or swap).
+    pub preemptions: IntCounterVec,
+    pub swapped_out_blocks: IntCounter,
+    pub swapped_in_blocks: IntCounter,
+    pub recomputed_tokens: IntCounter,
+    pub swapped_sequences: IntGauge,
+    pub swap_blocks_total: IntGauge,
+    pub swap_blocks_free: IntGauge,
     pub cancelled_tokens: IntCounter,
     /// Seconds of model forward reported by the shards; against `step_duration`'s sum it gives the share
     /// of each step spent outside the model (planning, gRPC, batch preparation, sampling).
@@ -149,11 +156,45 @@ impl Metrics {
                 "Prompt tokens the shards computed (reused prompt tokens excluded)",
             ),
             generated_tokens: counter(&registry, "rill_generated_tokens_total", "Tokens generated"),
-            preemptions: counter(
+            preemptions: {
+                let preemptions = IntCounterVec::new(
+                    Opts::new(
+                        "rill_preemptions_total",
+                        "Sequences preempted to free KV blocks, by mode: recompute or swap",
+                    ),
+                    &["mode"],
+                )
+                .expect("valid counter");
+                registry
+                    .register(Box::new(preemptions.clone()))
+                    .expect("metric names are unique");
+                for mode in ["recompute", "swap"] {
+                    preemptions.with_label_values(&[mode]);
+                }
+                preemptions
+            },
+            swapped_out_blocks: counter(
                 &registry,
-                "rill_preemptions_total",
-                "Sequences preempted to free KV blocks",
+                "rill_swapped_out_blocks_total",
+                "KV blocks copied to the host swap pool by swap preemptions",
             ),
+            swapped_in_blocks: counter(
+                &registry,
+                "rill_swapped_in_blocks_total",
+                "KV blocks copied back from the host swap pool when swapped sequences resumed",
+            ),
+            recomputed_tokens: counter(
+                &registry,
+                "rill_recomputed_tokens_total",
+                "Tokens computed again after recompute preemptions (prefix-cache hits excluded)",
+            ),
+            swapped_sequences: gauge(
+                &registry,
+                "rill_swapped_sequences",
+                "Sequences preempted to the host swap pool, waiting to resume",
+            ),
+            swap_blocks_total: gauge(&registry, "rill_swap_blocks_total", "Blocks of the host swap pool"),
+            swap_blocks_free: gauge(&registry, "rill_swap_blocks_free", "Host swap-pool blocks free now"),
             cancelled_tokens: counter(
                 &registry,
                 "rill_cancelled_tokens_total",

@@ -35,6 +35,10 @@ class FakeBehaviour:
     is_stream_cut: bool = False
     """End the stream after the tokens without the last event (no [DONE], no details)."""
     model_id: str = "fake-model"
+    max_concurrent_requests: int = 4
+    """`GET /info`: the capacity the soak multiplies."""
+    used_blocks: int = 0
+    """`GET /info`: KV blocks still held (a leak when the server is idle)."""
 
 
 @dataclass
@@ -42,6 +46,8 @@ class FakeServer:
     behaviour: FakeBehaviour = field(default_factory=FakeBehaviour)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    """Served at /metrics as rill_requests_total{outcome=...}."""
     num_in_flight: int = 0
     max_in_flight: int = 0
     url: str = ""
@@ -57,6 +63,12 @@ class FakeServer:
         app.router.add_post("/v1/completions", self._openai)
         app.router.add_post("/generate_stream", self._native)
         app.router.add_get("/v1/models", self._models)
+        for path in ("/generate", "/v1/chat/completions", "/tokenize"):  # only malformed bodies reach these
+            app.router.add_post(path, self._reject)
+        app.router.add_get("/info", self._info)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/health", self._ok)
+        app.router.add_get("/ready", self._ok)
         self._runner = web.AppRunner(app)
         asyncio.run_coroutine_threadsafe(self._serve(sock), self._loop).result(timeout=10)
         return self
@@ -76,8 +88,36 @@ class FakeServer:
             {"object": "list", "data": [{"id": self.behaviour.model_id, "object": "model"}]}
         )
 
+    async def _info(self, request: web.Request) -> web.Response:
+        kv = {"used_blocks": self.behaviour.used_blocks, "waiting_requests": 0, "running_requests": 0}
+        info = {"max_concurrent_requests": self.behaviour.max_concurrent_requests, "max_total_tokens": 128}
+        return web.json_response({**info, "kv": kv})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = [f'rill_requests_total{{outcome="{k}"}} {v}' for k, v in self.outcomes.items()]
+        return web.Response(text="\n".join(lines) + "\n")
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ready"})
+
+    async def _reject(self, request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"error": "malformed", "error_type": "validation"}, status=422)
+
     async def _begin(self, request: web.Request) -> tuple[dict[str, Any], web.StreamResponse | web.Response]:
-        body = await request.json()
+        try:
+            body = await request.json()
+            assert isinstance(body, dict) and request.content_type == "application/json"
+            if request.path == "/v1/completions":
+                assert isinstance(body["prompt"], str) and isinstance(body["max_tokens"], int)
+            else:
+                assert isinstance(body["inputs"], str) and isinstance(
+                    body["parameters"]["max_new_tokens"], int
+                )
+                assert body["parameters"]["max_new_tokens"] > 0
+        except (ValueError, AssertionError, KeyError, TypeError):
+            error = {"error": "malformed body", "error_type": "validation"}
+            return {}, web.json_response(error, status=400)
         number = len(self.bodies)
         self.bodies.append(body)
         self.paths.append(request.path)

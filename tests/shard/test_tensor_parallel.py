@@ -54,7 +54,7 @@ def _rank_main(rank: int, world_size: int, model_dir: str, init_file: str, out_d
         dist_init_method=f"file://{init_file}",
     )
     runner = ModelRunner(config)
-    num_blocks = runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=1024)
+    num_blocks = runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=1024).num_blocks
     logits = run_calls(runner)
     kv_heads = runner.kv_cache.k[0].shape[2]
     torch.save(

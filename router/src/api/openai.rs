@@ -297,6 +297,7 @@ pub struct ModelList {
 
 /// OpenAI's error body.
 #[derive(Debug, Clone, Serialize, ToSchema)]
+#[schema(as = OpenAiErrorBody)]
 pub struct ErrorBody {
     pub message: String,
     #[serde(rename = "type")]
@@ -306,6 +307,7 @@ pub struct ErrorBody {
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
+#[schema(as = OpenAiErrorResponse)]
 pub struct ErrorResponse {
     pub error: ErrorBody,
 }

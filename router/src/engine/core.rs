@@ -11,16 +11,19 @@ use std::{
 
 use tokenizers::Tokenizer;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::{
     request::{Sequence, TokenOutcome},
+    swap::{PreemptionConfig, SwapPool},
     EngineError, NewRequest, RequestId,
 };
 use crate::{
     kv::{CacheActivity, KvPool},
     metrics::{Metrics, Outcome},
-    scheduler::{schedule, ItlBudget, SchedulerConfig, SeqView, StepPlan},
+    scheduler::{schedule, BatchingMode, ItlBudget, Preemption, SchedulerConfig, SeqView, StepPlan},
     shard::{pb, ShardClient},
+    telemetry,
 };
 
 /// The engine's policy settings.
@@ -31,6 +34,12 @@ pub struct EngineConfig {
     pub target_itl_ms: Option<f64>,
     /// Fail requests that wait longer than this for admission (`--max-queue-time`).
     pub max_queue_time: Option<Duration>,
+    /// Sent again to shards that come back after a failure (`--restart-shards`), to size their new pools.
+    pub warmup: pb::WarmupRequest,
+    /// Whether the KV pool keeps a prefix cache (`--no-prefix-caching` turns it off).
+    pub prefix_caching: bool,
+    /// How preempted sequences give up their blocks (`--preemption-mode`), and the swap pool's size.
+    pub preemption: PreemptionConfig,
 }
 
 pub struct EngineCore {
@@ -39,11 +48,21 @@ pub struct EngineCore {
     eos_token_ids: HashSet<u32>,
     config: SchedulerConfig,
     max_queue_time: Option<Duration>,
+    warmup: pb::WarmupRequest,
+    prefix_caching: bool,
     /// Learns step time per token count and bounds the step's tokens, with `--target-itl-ms`.
     itl_budget: Option<ItlBudget>,
     kv: KvPool,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
+    /// Sequences preempted by swapping, in the order they were swapped out: admitted, their K/V in the
+    /// host swap pool (`host_blocks`), their state kept by the shards; resumed before new admissions.
+    swapped: VecDeque<Sequence>,
+    swap: SwapPool,
+    /// Block copies decided since the last call, sent with the next one (out before in, both before
+    /// the forward).
+    swap_out: Vec<pb::BlockCopy>,
+    swap_in: Vec<pb::BlockCopy>,
     /// Sequences the shards hold state for that are gone since the last call; sent with the next call.
     released_ids: Vec<u64>,
     inbox: mpsc::UnboundedReceiver<NewRequest>,
@@ -66,10 +85,16 @@ impl EngineCore {
             eos_token_ids,
             config: config.scheduler,
             max_queue_time: config.max_queue_time,
+            warmup: config.warmup,
+            prefix_caching: config.prefix_caching,
             itl_budget: config.target_itl_ms.map(ItlBudget::new),
             kv,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            swapped: VecDeque::new(),
+            swap: SwapPool::new(config.preemption),
+            swap_out: Vec::new(),
+            swap_in: Vec::new(),
             released_ids: Vec::new(),
             inbox,
             metrics,
@@ -84,7 +109,7 @@ impl EngineCore {
             self.calibrate().await;
         }
         loop {
-            if self.waiting.is_empty() && self.running.is_empty() {
+            if self.waiting.is_empty() && self.running.is_empty() && self.swapped.is_empty() {
                 match self.inbox.recv().await {
                     Some(new) => self.waiting.push_back(Sequence::new(new)),
                     None => return,
@@ -95,13 +120,14 @@ impl EngineCore {
             }
             self.drop_cancelled();
             self.expire_waiting();
-            if self.waiting.is_empty() && self.running.is_empty() {
+            if self.waiting.is_empty() && self.running.is_empty() && self.swapped.is_empty() {
                 self.publish_stats();
                 continue;
             }
             self.step().await;
             if cfg!(debug_assertions) {
                 self.kv.check_invariants();
+                self.swap.check_invariants();
             }
             self.publish_stats();
         }
@@ -115,6 +141,8 @@ impl EngineCore {
             .map(|seq| seq.view(self.kv.num_freeable(&seq.blocks), now))
             .collect();
         let waiting = self.waiting_views(now);
+        // A swapped sequence holds no device blocks: all it needs back is allocated when it resumes.
+        let swapped: Vec<_> = self.swapped.iter().map(|seq| seq.view(0, now)).collect();
         let mut config = self.config;
         if let Some(budget) = &self.itl_budget {
             let num_decodes = running
@@ -123,20 +151,23 @@ impl EngineCore {
                 .count();
             config.max_batch_tokens = budget.max_tokens(num_decodes + 1, config.max_batch_tokens);
         }
-        let plan = schedule(&config, &running, &waiting, self.kv.num_available_blocks());
+        let plan = schedule(&config, &running, &swapped, &waiting, self.kv.num_available_blocks());
         if plan.scheduled.is_empty() {
-            // Nothing can run although the pool is as empty as it gets: the queue head can never fit.
-            if self.running.is_empty() {
-                if let Some(seq) = self.waiting.pop_front() {
-                    seq.fail(EngineError::Shard("the request does not fit the KV pool".into()));
-                }
-            }
+            self.idle_step(&plan, &waiting).await;
             return;
         }
         let is_decode = plan.is_decode_only();
         let request = self.apply_plan(&plan);
+        let step_span = self.step_span(&plan, is_decode);
         let started = std::time::Instant::now();
-        let result = self.shards.forward(request, is_decode).await;
+        let result = self
+            .shards
+            .forward(request, is_decode)
+            .instrument(step_span.clone())
+            .await;
+        if let Err(e) = &result {
+            telemetry::set_error(&step_span, e.to_string());
+        }
         tracing::debug!(
             sequences = plan.scheduled.len(),
             tokens = plan.num_scheduled_tokens(),
@@ -161,15 +192,95 @@ impl EngineCore {
         }
     }
 
+    /// A plan with nothing to compute: a static batch still filling, requests waiting for blocks or for a
+    /// prefix another sequence computes, or only preemptions. Applies the preemptions, then waits briefly
+    /// for something to change instead of spinning.
+    async fn idle_step(&mut self, plan: &StepPlan, waiting: &[SeqView]) {
+        if !plan.preempted.is_empty() {
+            let request = self.apply_plan(plan);
+            self.released_ids = request.released_ids;
+            self.swap_out = request.swap_out;
+            return;
+        }
+        let is_static = matches!(self.config.mode, BatchingMode::Static { .. });
+        if self.running.is_empty()
+            && self.swapped.is_empty()
+            && !is_static
+            && waiting.iter().all(|view| !view.is_deferred)
+        {
+            // The whole pool is available and still the first request does not fit: it never will
+            // (validation prevents this; the guard keeps such a request from waiting forever).
+            if let Some(seq) = self.waiting.pop_front() {
+                seq.fail(EngineError::Shard("the request does not fit the KV pool".into()));
+                self.metrics.count_request(Outcome::Failed);
+            }
+            return;
+        }
+        tokio::select! {
+            new = self.inbox.recv() => {
+                if let Some(new) = new {
+                    self.waiting.push_back(Sequence::new(new));
+                }
+            }
+            _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+        }
+    }
+
     /// Moves sequences between queues and allocates blocks as the plan says; builds the forward call.
-    fn apply_plan(&mut self, plan: &StepPlan) -> pb::ForwardRequest {
+    /// Suspends the plan's victims, each by the mechanism `SwapPool::choose` picks: swapped ones copy the
+    /// blocks of their computed tokens to the host and keep everything else; recomputed ones are released
+    /// and go back to the front of the waiting queue.
+    fn preempt(&mut self, plan: &StepPlan) {
         for &id in &plan.preempted {
             let i = self.running_index(id);
             let mut seq = self.running.remove(i);
-            tracing::info!(request_id = %seq.tag, sequence_id = %id, "preempted: KV pool full; it will be recomputed");
-            self.metrics.preemptions.inc();
-            self.release(&mut seq);
-            self.waiting.push_front(seq);
+            let num_blocks = seq.num_computed_tokens.div_ceil(self.config.block_size);
+            let mode = self.swap.choose(num_blocks, seq.num_computed_tokens);
+            tracing::info!(request_id = %seq.tag, sequence_id = %id, mode = mode.label(), "preempted: KV pool full");
+            self.metrics.preemptions.with_label_values(&[mode.label()]).inc();
+            if let Preemption::Swap = mode {
+                let (host_blocks, copies) = self
+                    .swap
+                    .swap_out(&seq.blocks[..num_blocks])
+                    .expect("choose picks swap only when the host blocks are free");
+                self.metrics.swapped_out_blocks.inc_by(copies.len() as u64);
+                self.swap_out.extend(copies);
+                seq.host_blocks = host_blocks;
+                // The device blocks go back like a finished sequence's (cached, or to their other holders);
+                // the sequence keeps its computed tokens and its state on the shards.
+                let mut activity = CacheActivity::default();
+                let num_computed = seq.num_computed_tokens;
+                self.kv.cache(
+                    seq.cache_salt(),
+                    &seq.token_ids[..num_computed],
+                    &seq.blocks,
+                    &mut activity,
+                );
+                self.count_cache_activity(activity);
+                self.kv.release(&std::mem::take(&mut seq.blocks));
+                self.swapped.push_back(seq);
+            } else {
+                seq.num_lost_tokens = seq.num_computed_tokens;
+                self.release(&mut seq);
+                self.waiting.push_front(seq);
+            }
+        }
+    }
+
+    /// Moves sequences between queues and allocates blocks as the plan says; builds the forward call.
+    fn apply_plan(&mut self, plan: &StepPlan) -> pb::ForwardRequest {
+        // Victims first: their host blocks are taken before resumed sequences free theirs (no resume
+        // shares a step with a preemption anyway), so a copy out never lands in a block still to be read.
+        self.preempt(plan);
+        for &id in &plan.resumed {
+            let i = self
+                .swapped
+                .iter()
+                .position(|seq| seq.id == id)
+                .expect("resumed sequences are swapped");
+            let seq = self.swapped.remove(i).expect("index in range");
+            tracing::debug!(request_id = %seq.tag, sequence_id = %id, "resumed from the swap pool");
+            self.running.push(seq);
         }
         for &id in &plan.admitted {
             let i = self
@@ -184,6 +295,7 @@ impl EngineCore {
                 let now = std::time::Instant::now();
                 self.metrics.queue_time.observe((now - seq.arrived_at).as_secs_f64());
                 seq.admitted_at = Some(now);
+                seq.queue_span = None;
             }
             if seq.blocks.is_empty() {
                 // The same match the scheduler saw: nothing changed the cache since.
@@ -193,6 +305,8 @@ impl EngineCore {
                 self.kv.attach(&hit.blocks);
                 seq.blocks = hit.blocks;
                 seq.num_computed_tokens = hit.num_tokens;
+                let num_recomputed = std::mem::take(&mut seq.num_lost_tokens).saturating_sub(hit.num_tokens);
+                self.metrics.recomputed_tokens.inc_by(num_recomputed as u64);
                 if is_first_admission {
                     seq.num_cached_tokens = hit.num_tokens.min(seq.num_prompt_tokens);
                     self.metrics
@@ -219,6 +333,13 @@ impl EngineCore {
                 .allocate(scheduled.num_new_blocks, &mut activity)
                 .expect("the plan fits the free and evictable blocks");
             let seq = &mut self.running[i];
+            if !seq.host_blocks.is_empty() {
+                // Resumed: its K/V come back into the first of its new blocks, before the forward.
+                let host_blocks = std::mem::take(&mut seq.host_blocks);
+                let copies = self.swap.swap_in(&host_blocks, &blocks[..host_blocks.len()]);
+                self.metrics.swapped_in_blocks.inc_by(copies.len() as u64);
+                self.swap_in.extend(copies);
+            }
             seq.blocks.extend(blocks);
             let start = seq.num_computed_tokens;
             let num_prompt_tokens = seq
@@ -232,6 +353,8 @@ impl EngineCore {
         pb::ForwardRequest {
             released_ids: std::mem::take(&mut self.released_ids),
             sequences: chunks,
+            swap_out: std::mem::take(&mut self.swap_out),
+            swap_in: std::mem::take(&mut self.swap_in),
         }
     }
 
@@ -339,6 +462,14 @@ impl EngineCore {
                 i += 1;
             }
         }
+        let mut i = 0;
+        while i < self.swapped.len() {
+            if self.swapped[i].is_cancelled() {
+                cancelled.push(self.swapped.remove(i).expect("index in range"));
+            } else {
+                i += 1;
+            }
+        }
         for mut seq in cancelled {
             tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "cancelled", "client went away");
             self.metrics.count_request(Outcome::Cancelled);
@@ -376,6 +507,7 @@ impl EngineCore {
                     params: Some(pb::SamplingParams::default()),
                     cached_token_ids: Vec::new(),
                 }],
+                ..Default::default()
             };
             let started = Instant::now();
             let result = self.shards.forward(request, num_tokens == 1).await;
@@ -422,10 +554,17 @@ impl EngineCore {
         }
     }
 
-    /// Returns a sequence's blocks to the pool and tells the shards to drop its state on the next call.
+    /// Returns a sequence's blocks (device and host) to their pools and tells the shards to drop its state
+    /// on the next call.
     fn release(&mut self, seq: &mut Sequence) {
         if seq.is_known_to_shards {
             self.released_ids.push(seq.id.0);
+        }
+        if !seq.host_blocks.is_empty() {
+            let host_blocks = std::mem::take(&mut seq.host_blocks);
+            // A copy out not sent yet must not land in blocks someone else may get now.
+            self.swap_out.retain(|copy| !host_blocks.contains(&copy.host_block));
+            self.swap.release(&host_blocks);
         }
         // Prompt and generated tokens stay cached (the next turn of a chat, a resumed preemption hits).
         let mut activity = CacheActivity::default();
@@ -488,7 +627,12 @@ impl EngineCore {
     /// cleared, and waiting requests start afresh.
     async fn fail_all(&mut self, message: String) {
         tracing::error!(%message, "forward pass failed; failing the running requests");
-        for mut seq in std::mem::take(&mut self.running) {
+        // Swapped sequences too: the failed call may have carried their copies out.
+        let failed: Vec<_> = std::mem::take(&mut self.running)
+            .into_iter()
+            .chain(std::mem::take(&mut self.swapped))
+            .collect();
+        for mut seq in failed {
             seq.fail(EngineError::Shard(message.clone()));
             for _ in 0..=seq.forks.len() {
                 self.metrics.count_request(Outcome::Failed);
@@ -496,9 +640,68 @@ impl EngineCore {
             self.release(&mut seq);
         }
         self.released_ids.clear();
+        self.swap_out.clear();
+        self.swap_in.clear();
         if let Err(e) = self.shards.clear_cache().await {
-            tracing::error!(error = %e, "clearing the shards' cache failed");
+            // The shards are gone: nobody knows when (or whether) they come back, so the queued requests
+            // fail now rather than hang; requests that arrive later wait for the recovery.
+            tracing::error!(error = %e, "the shards do not answer; failing the queue, waiting for them");
+            for seq in std::mem::take(&mut self.waiting) {
+                seq.fail(EngineError::Shard(message.clone()));
+                for _ in 0..=seq.forks.len() {
+                    self.metrics.count_request(Outcome::Failed);
+                }
+            }
+            self.publish_stats();
+            self.recover().await;
         }
+    }
+
+    /// Waits until the shards answer again (the launcher restarts them with `--restart-shards`), warms
+    /// them up and starts over with a fresh KV pool: their new pools hold nothing, so neither may the
+    /// allocator or the prefix cache. Requests that arrive meanwhile are served afterwards.
+    async fn recover(&mut self) {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            if self.shards.health().await.is_err() {
+                continue;
+            }
+            match self.shards.warmup(self.warmup).await {
+                Ok(warmup) => {
+                    for seq in self.waiting.iter_mut() {
+                        let blocks = seq.reset_kv();
+                        debug_assert!(blocks.is_empty(), "waiting sequences hold no blocks");
+                    }
+                    self.kv = KvPool::new(warmup.num_blocks, self.config.block_size, self.prefix_caching);
+                    let mode = self.swap.mode();
+                    self.swap = SwapPool::new(PreemptionConfig::from_warmup(mode, &warmup));
+                    tracing::info!(blocks = warmup.num_blocks, "the shards are back; serving again");
+                    return;
+                }
+                Err(e) => tracing::warn!(error = %e, "warmup after a shard restart failed; retrying"),
+            }
+        }
+    }
+
+    /// The `step` span of a forward pass: a trace root linked to the `request` span of every sequence it
+    /// computes (see `telemetry`); the shards' `forward` spans become its children.
+    fn step_span(&self, plan: &StepPlan, is_decode: bool) -> tracing::Span {
+        let span = tracing::info_span!(
+            target: telemetry::TARGET,
+            parent: None,
+            "step",
+            kind = if is_decode { "decode" } else { "prefill" },
+            // As i64: OpenTelemetry has no unsigned integers (u64 fields would arrive as strings).
+            tokens = plan.num_scheduled_tokens() as i64,
+            sequences = plan.scheduled.len() as i64,
+        );
+        if !span.is_disabled() {
+            for scheduled in &plan.scheduled {
+                let seq = &self.running[self.running_index(scheduled.id)];
+                telemetry::link_request(&span, &seq.span, scheduled.num_scheduled_tokens);
+            }
+        }
+        span
     }
 
     fn running_index(&self, id: RequestId) -> usize {
@@ -519,6 +722,9 @@ impl EngineCore {
         metrics.prefix_cache_blocks.set(self.kv.num_cached_blocks() as i64);
         metrics.queue_depth.set(self.waiting.len() as i64);
         metrics.running_sequences.set(self.running.len() as i64);
+        metrics.swapped_sequences.set(self.swapped.len() as i64);
+        metrics.swap_blocks_total.set(i64::from(self.swap.num_usable_blocks()));
+        metrics.swap_blocks_free.set(i64::from(self.swap.num_free_blocks()));
     }
 }
 

@@ -4,6 +4,7 @@
 
 mod core;
 mod request;
+mod swap;
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
@@ -14,6 +15,7 @@ use thiserror::Error;
 use tokio::sync::mpsc;
 
 pub use self::core::{EngineConfig, EngineCore};
+pub use self::swap::PreemptionConfig;
 use crate::{api::FinishReason, metrics::Metrics, validation::ValidRequest};
 
 /// A request's id, unique for the router's lifetime; it is also the sequence id the shards see.
@@ -79,6 +81,8 @@ pub struct NewRequest {
     pub waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The HTTP request's id (`x-request-id`), for the logs.
     pub tag: String,
+    /// The HTTP request's `request` span, which step spans link to (disabled when not tracing).
+    pub span: tracing::Span,
 }
 
 /// The handlers' side of the engine: cheap to clone.
@@ -98,7 +102,8 @@ impl EngineHandle {
         }
     }
 
-    /// Queues `n` choices of the same prompt; choice i samples with seed `seed + i`. The prompt is
+    /// Queues `n` choices of the same prompt; choice i samples with seed `seed + i`. Call it in the HTTP
+    /// request's span: the engine links its work to the current span. The prompt is
     /// computed once and its KV blocks shared. Dropping a receiver cancels that choice: the engine
     /// notices within one iteration, tells the shards, and frees its blocks.
     pub fn submit_n(
@@ -122,6 +127,7 @@ impl EngineHandle {
                     forks: Vec::new(),
                     waiting_permit: None,
                     tag: if n > 1 { format!("{tag}/{i}") } else { tag.clone() },
+                    span: tracing::Span::current(),
                 }
             })
             .collect();

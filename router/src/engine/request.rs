@@ -10,6 +10,7 @@ use crate::{
     api::FinishReason,
     scheduler::SeqView,
     shard::pb,
+    telemetry,
     text::{DetokenizeError, IncrementalDetokenizer, StopMatcher},
     validation::ValidRequest,
 };
@@ -25,6 +26,12 @@ pub struct Sequence {
     pub num_cached_tokens: usize,
     /// KV block ids in position order; some may be shared with other sequences.
     pub blocks: Vec<u32>,
+    /// While swapped out: the host swap-pool blocks holding the K/V of its computed tokens, in position
+    /// order (its device `blocks` are then empty). Empty otherwise.
+    pub host_blocks: Vec<u32>,
+    /// Computed tokens it lost to its latest recompute preemption, counted as recomputed at readmission
+    /// (less what the prefix cache gives back).
+    pub num_lost_tokens: usize,
     /// Whether the shards hold this sequence's sampling params (false again after a release).
     pub is_known_to_shards: bool,
     /// Choices of the same prompt waiting for this sequence's prompt to be computed.
@@ -43,6 +50,10 @@ pub struct Sequence {
     pub waiting_permit: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The HTTP request's id, for the logs.
     pub tag: String,
+    /// The HTTP request's `request` span; engine steps link to it.
+    pub span: tracing::Span,
+    /// From arrival to first admission; `None` once admitted (closing the span).
+    pub queue_span: Option<tracing::Span>,
     request: ValidRequest,
     events: EventSender,
     detokenizer: IncrementalDetokenizer,
@@ -68,7 +79,9 @@ impl Sequence {
             forks,
             waiting_permit,
             tag,
+            span,
         } = new;
+        let queue_span = tracing::info_span!(target: telemetry::TARGET, parent: &span, "queue");
         Self {
             id,
             token_ids: request.prompt_ids.clone(),
@@ -76,6 +89,8 @@ impl Sequence {
             num_computed_tokens: 0,
             num_cached_tokens: 0,
             blocks: Vec::new(),
+            host_blocks: Vec::new(),
+            num_lost_tokens: 0,
             is_known_to_shards: false,
             forks,
             arrived_at: Instant::now(),
@@ -85,6 +100,8 @@ impl Sequence {
             num_times_overtaken: 0,
             waiting_permit,
             tag,
+            span,
+            queue_span: Some(queue_span),
             detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, request.skip_special_tokens),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),
@@ -105,6 +122,7 @@ impl Sequence {
             waited_ms: (now - self.arrived_at).as_millis() as u64,
             num_cached_evictable: 0,
             is_deferred: false,
+            max_num_tokens: self.num_prompt_tokens + self.request.max_new_tokens as usize,
         }
     }
 
@@ -182,6 +200,7 @@ impl Sequence {
         child.blocks = self.blocks[..num_shared_blocks].to_vec();
         child.num_computed_tokens = num_shared_blocks * block_size;
         child.num_cached_tokens = child.num_computed_tokens;
+        child.queue_span = None; // a choice starts with its parent's prompt, without queueing
         child
     }
 

@@ -119,7 +119,10 @@ pub fn app(state: AppState) -> Router {
         .route("/openapi.json", get(service::openapi))
         .route("/docs", get(service::docs))
         .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))
-        .layer(axum::middleware::from_fn(middleware::request_id))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            middleware::request_id,
+        ))
         .with_state(state)
 }
 
@@ -152,7 +155,7 @@ async fn submit(
     n: u32,
 ) -> Result<(ValidRequest, Vec<EventReceiver>), ApiError> {
     if state.log_prompts {
-        tracing::info!(request_id = %tag.0, prompt = ?input.prompt, "prompt");
+        tracing::info!(request_id = %tag.id, prompt = ?input.prompt, "prompt");
     }
     let valid = state.validator.validate(input).await.inspect_err(|_| {
         state.engine.metrics.count_request(Outcome::Invalid);
@@ -163,7 +166,8 @@ async fn submit(
     })?;
     let receivers = state
         .engine
-        .submit_n(valid.clone(), n, Some(waiting_permit), tag.0.clone())?;
+        .submit_n(valid.clone(), n, Some(waiting_permit), tag.id.clone())?;
+    tag.hand_to_engine();
     Ok((valid, receivers))
 }
 

@@ -131,7 +131,10 @@ pub async fn generate(
 /// Generate text as server-sent events, one per token; the last carries the whole text and details.
 #[utoipa::path(post, path = "/generate_stream", tag = "native", request_body = GenerateRequest,
     responses((status = 200, description = "text/event-stream of StreamResponse", body = StreamResponse),
-              (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
+              (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
+              (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
+              (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
+              (status = 503, body = ErrorResponse)))]
 pub async fn generate_stream(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,

@@ -175,7 +175,8 @@ fn sse_error(error: EngineError) -> Result<Event, Infallible> {
 }
 
 /// List the served model.
-#[utoipa::path(get, path = "/v1/models", tag = "openai", responses((status = 200, body = ModelList)))]
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    responses((status = 200, body = ModelList), (status = 401, body = ErrorResponse)))]
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
@@ -192,7 +193,10 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
 /// Legacy completions, streaming or not.
 #[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionRequest,
     responses((status = 200, body = CompletionResponse), (status = 404, body = ErrorResponse),
-              (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
+              (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
+              (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
+              (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
+              (status = 503, body = ErrorResponse)))]
 pub async fn completions(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,
@@ -381,7 +385,10 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
 /// Chat completions, streaming or not, with the model's own chat template.
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatCompletionRequest,
     responses((status = 200, body = ChatCompletionResponse), (status = 404, body = ErrorResponse),
-              (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse)))]
+              (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
+              (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
+              (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
+              (status = 503, body = ErrorResponse)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,

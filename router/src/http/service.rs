@@ -33,6 +33,9 @@ pub async fn ready(State(state): State<AppState>) -> Response {
         )
             .into_response()
     };
+    if state.draining.load(std::sync::atomic::Ordering::SeqCst) {
+        return not_ready("shutting down: finishing the requests in flight".into());
+    }
     match tokio::time::timeout(std::time::Duration::from_secs(2), state.shards.health()).await {
         Err(_) => return not_ready("the shards did not answer a health check within 2 s".into()),
         Ok(Err(e)) => return not_ready(e.to_string()),
@@ -97,7 +100,9 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
 
 /// Token ids and their text, for a plain prompt or for chat messages (rendered with the chat template).
 #[utoipa::path(post, path = "/tokenize", tag = "service", request_body = TokenizeRequest,
-    responses((status = 200, body = TokenizeResponse), (status = 422, body = ErrorResponse)))]
+    responses((status = 200, body = TokenizeResponse), (status = 400, body = ErrorResponse),
+              (status = 401, body = ErrorResponse), (status = 413, body = ErrorResponse),
+              (status = 422, body = ErrorResponse)))]
 pub async fn tokenize(
     State(state): State<AppState>,
     body: Result<Json<TokenizeRequest>, JsonRejection>,
@@ -116,6 +121,10 @@ pub async fn tokenize(
         }
     };
     let encoding = state.validator.tokenize(prompt.clone(), add_special_tokens).await?;
+    let max = state.limits.max_input_tokens;
+    if encoding.len() > max as usize {
+        return Err(crate::validation::ValidationError::InputTooLong(encoding.len(), max).into());
+    }
     let tokens: Vec<TokenSpan> = encoding
         .get_ids()
         .iter()
@@ -137,7 +146,9 @@ pub async fn tokenize(
 
 /// Text of token ids.
 #[utoipa::path(post, path = "/detokenize", tag = "service", request_body = DetokenizeRequest,
-    responses((status = 200, body = DetokenizeResponse), (status = 422, body = ErrorResponse)))]
+    responses((status = 200, body = DetokenizeResponse), (status = 400, body = ErrorResponse),
+              (status = 401, body = ErrorResponse), (status = 413, body = ErrorResponse),
+              (status = 422, body = ErrorResponse)))]
 pub async fn detokenize(
     State(state): State<AppState>,
     body: Result<Json<DetokenizeRequest>, JsonRejection>,

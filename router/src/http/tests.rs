@@ -21,10 +21,10 @@ use super::{app, AppState};
 use crate::{
     chat_template::ChatTemplate,
     config::{BatchConfig, LimitsConfig, Scheduling},
-    engine::{EngineConfig, EngineCore, EngineHandle},
+    engine::{EngineConfig, EngineCore, EngineHandle, PreemptionConfig},
     kv::KvPool,
     metrics::{Metrics, Outcome},
-    scheduler::{BatchingMode, SchedulerConfig},
+    scheduler::{BatchingMode, KvAdmission, PreemptionCosts, PreemptionMode, SchedulerConfig},
     shard::{
         fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
         ShardClient,
@@ -55,7 +55,33 @@ struct TestServer {
 }
 
 async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
-    let shard = FakeShard::new(num_blocks, 4);
+    server_with_mode(num_blocks, max_concurrent_requests, BatchingMode::Continuous).await
+}
+
+async fn server_with_mode(num_blocks: u32, max_concurrent_requests: u32, mode: BatchingMode) -> TestServer {
+    let preemption = PreemptionConfig {
+        mode: PreemptionMode::Recompute,
+        num_host_blocks: 0,
+        costs: PreemptionCosts::default(),
+    };
+    server_with(
+        num_blocks,
+        max_concurrent_requests,
+        mode,
+        preemption,
+        KvAdmission::Incremental,
+    )
+    .await
+}
+
+async fn server_with(
+    num_blocks: u32,
+    max_concurrent_requests: u32,
+    mode: BatchingMode,
+    preemption: PreemptionConfig,
+    kv_admission: KvAdmission,
+) -> TestServer {
+    let shard = FakeShard::new(num_blocks, 4).with_swap_pool(preemption.num_host_blocks);
     let shards: Arc<dyn ShardClient> = Arc::new(shard.clone());
     let shard_info = shards.info().await.expect("fake info");
     let limits = LimitsConfig {
@@ -74,6 +100,9 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
         target_itl_ms: None,
         max_queue_time: None,
         prefix_caching: true,
+        preemption_mode: preemption.mode,
+        swap_space_bytes: 0,
+        kv_admission,
     };
     let scheduler = EngineConfig {
         scheduler: SchedulerConfig {
@@ -81,11 +110,15 @@ async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
             max_batch_size: 8,
             block_size: 4,
             watermark_blocks: 1,
-            mode: BatchingMode::Continuous,
+            mode,
+            kv_admission,
             max_times_overtaken: 8,
         },
         target_itl_ms: None,
         max_queue_time: None,
+        warmup: crate::shard::pb::WarmupRequest::default(),
+        prefix_caching: true,
+        preemption,
     };
     let tokenizer = Arc::new(tokenizer());
     let metrics = Arc::new(Metrics::new());
@@ -601,4 +634,96 @@ async fn request_ids_are_echoed_or_made() {
         .expect("valid request");
     let response = server.app.clone().oneshot(request).await.expect("infallible");
     assert_eq!(response.headers()["x-request-id"].len(), 32);
+}
+
+#[tokio::test]
+async fn static_batches_wait_then_run_to_completion() {
+    // Batches of up to 8 form after 50 ms; requests arriving one by one still all complete.
+    let server = server_with_mode(64, 16, BatchingMode::Static { max_wait_ms: 50 }).await;
+    let mut tasks = Vec::new();
+    for i in 0..5u32 {
+        let app = server.app.clone();
+        tasks.push(tokio::spawn(
+            async move { generate(&app, &format!("w{i}"), 3 + i).await },
+        ));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for (i, task) in tasks.into_iter().enumerate() {
+        let result = task.await.expect("task");
+        assert_eq!(result["details"]["generated_tokens"], 3 + i as u64);
+    }
+    assert_eq!(idle_free_blocks(&server).await, 63);
+}
+
+/// 16 requests growing to 20 tokens on 12 blocks of 4, under a preemption mode and admission policy: each
+/// gets exactly its own tokens (the fake shard also checks every block table holds what it computed, so a
+/// lost or misplaced swap fails the request), and the pool and the swap pool are whole when idle.
+async fn run_under_memory_pressure(mode: PreemptionMode, kv_admission: KvAdmission) -> TestServer {
+    let preemption = PreemptionConfig {
+        mode,
+        num_host_blocks: 20,
+        costs: PreemptionCosts {
+            swap_seconds_per_block: 1e-6,
+            prefill_seconds_per_token: 1e-4,
+        },
+    };
+    let server = server_with(13, 64, BatchingMode::Continuous, preemption, kv_admission).await;
+    let mut tasks = Vec::new();
+    for i in 0..16u32 {
+        let app = server.app.clone();
+        tasks.push(tokio::spawn(async move {
+            let start = i % 10;
+            let result = generate(&app, &format!("w{start} w{}", start + 1), 18).await;
+            (start, result)
+        }));
+    }
+    for task in tasks {
+        let (start, result) = task.await.expect("task");
+        let ids: Vec<u64> = result["details"]["tokens"]
+            .as_array()
+            .unwrap_or_else(|| panic!("tokens in {result}"))
+            .iter()
+            .map(|t| t["id"].as_u64().expect("id"))
+            .collect();
+        let expected: Vec<u64> = (0..18).map(|k| ((start + 2 + k) % FAKE_VOCAB_SIZE) as u64).collect();
+        assert_eq!(ids, expected);
+    }
+    assert_eq!(idle_free_blocks(&server).await, 12);
+    let metrics = &server.state.engine.metrics;
+    assert_eq!(metrics.swapped_sequences.get(), 0);
+    assert_eq!(metrics.swap_blocks_free.get(), metrics.swap_blocks_total.get());
+    server
+}
+
+fn preemptions(server: &TestServer, mode: &str) -> u64 {
+    server.state.engine.metrics.preemptions.with_label_values(&[mode]).get()
+}
+
+#[tokio::test]
+async fn swap_preemption_restores_every_sequence_exactly() {
+    let server = run_under_memory_pressure(PreemptionMode::Swap, KvAdmission::Incremental).await;
+    assert!(preemptions(&server, "swap") > 0);
+    let metrics = &server.state.engine.metrics;
+    assert!(metrics.swapped_out_blocks.get() > 0);
+    assert_eq!(metrics.swapped_in_blocks.get(), metrics.swapped_out_blocks.get());
+}
+
+#[tokio::test]
+async fn recompute_preemption_counts_recomputed_tokens() {
+    let server = run_under_memory_pressure(PreemptionMode::Recompute, KvAdmission::Incremental).await;
+    assert!(preemptions(&server, "recompute") > 0);
+    assert_eq!(preemptions(&server, "swap"), 0);
+    assert!(server.state.engine.metrics.recomputed_tokens.get() > 0);
+}
+
+#[tokio::test]
+async fn auto_swaps_when_copying_is_cheaper() {
+    let server = run_under_memory_pressure(PreemptionMode::Auto, KvAdmission::Incremental).await;
+    assert!(preemptions(&server, "swap") > 0);
+}
+
+#[tokio::test]
+async fn reserve_admission_never_preempts() {
+    let server = run_under_memory_pressure(PreemptionMode::Swap, KvAdmission::Reserve).await;
+    assert_eq!(preemptions(&server, "swap") + preemptions(&server, "recompute"), 0);
 }

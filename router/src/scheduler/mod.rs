@@ -8,8 +8,10 @@
 //! is one scheduled token; a chunk is fewer scheduled tokens than the sequence lacks.
 
 mod budget;
+mod preemption;
 
 pub use budget::ItlBudget;
+pub use preemption::{choose_preemption, Preemption, PreemptionCosts, PreemptionMode};
 
 use crate::engine::RequestId;
 
@@ -24,6 +26,18 @@ pub enum BatchingMode {
     Static { max_wait_ms: u64 },
 }
 
+/// How admission claims KV blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvAdmission {
+    /// Claim blocks as tokens are scheduled (above the watermark); preempt when running sequences outgrow
+    /// the pool. Uses memory best.
+    Incremental,
+    /// TGI's policy, kept as a benchmark baseline: admit a request only when blocks for its prompt plus
+    /// `max_new_tokens` are free beyond what running sequences may still grow into. Never preempts (a
+    /// choice of an `n > 1` request that forks off a prompt is the one exception the safety net covers).
+    Reserve,
+}
+
 /// Budgets of one iteration and the KV geometry the plan is made in.
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerConfig {
@@ -36,6 +50,7 @@ pub struct SchedulerConfig {
     /// Free blocks that admission leaves for running sequences to grow into.
     pub watermark_blocks: usize,
     pub mode: BatchingMode,
+    pub kv_admission: KvAdmission,
     /// A waiting request that later arrivals have overtaken this many times (by priority) is admitted
     /// before anything else: the bound that keeps low priorities from starving.
     pub max_times_overtaken: u32,
@@ -65,6 +80,8 @@ pub struct SeqView {
     /// Waiting only: another sequence is computing a longer part of its prompt right now; it waits for
     /// those blocks to be cached instead of computing them a second time.
     pub is_deferred: bool,
+    /// The most tokens it can reach: prompt plus `max_new_tokens` (what `KvAdmission::Reserve` reserves).
+    pub max_num_tokens: usize,
 }
 
 /// One sequence's share of an iteration.
@@ -84,9 +101,13 @@ pub struct StepPlan {
     pub scheduled: Vec<Scheduled>,
     /// Waiting sequences admitted this step, in admission order.
     pub admitted: Vec<RequestId>,
-    /// Running sequences suspended to free their blocks; they go back to the front of the waiting queue
-    /// and recompute their K/V when readmitted.
+    /// Running sequences suspended to free their blocks. The engine picks the mechanism per victim
+    /// (`choose_preemption`): recomputed ones go back to the front of the waiting queue and recompute their
+    /// K/V when readmitted; swapped ones wait in the swapped queue with their K/V in host memory.
     pub preempted: Vec<RequestId>,
+    /// Swapped sequences resumed this step, oldest first. Each is also in `scheduled`, where its
+    /// `num_new_blocks` counts every device block it gets: the first ones receive its swapped-in K/V.
+    pub resumed: Vec<RequestId>,
 }
 
 impl StepPlan {
@@ -133,14 +154,24 @@ pub fn admission_order(waiting: &[SeqView], max_times_overtaken: u32) -> Vec<usi
 ///    the lowest priority first (it matters least), and among equals the one with the fewest computed
 ///    tokens (its suspension throws away the least work). A sequence that is itself the only candidate
 ///    left suspends itself.
-/// 3. Waiting requests are admitted in `admission_order` while the budget, the batch size and the free
+///    Why this order: a preempted sequence loses its place in the batch for a while, so the least
+///    important sequences should pay first; among equals, recomputing costs about its computed tokens
+///    (and even a swap copies blocks in proportion to them), so the youngest in work is the cheapest to
+///    suspend, and the oldest streams keep going. Age (the later arrival first) breaks the remaining ties.
+/// 3. Swapped sequences (`swapped`, in the order they were swapped out) resume before anything new is
+///    admitted, each as soon as its blocks fit above the watermark; while the oldest cannot resume,
+///    nothing is admitted, so new arrivals never take the memory a swapped sequence waits for.
+/// 4. Waiting requests are admitted in `admission_order` while the budget, the batch size and the free
 ///    blocks above the watermark allow; admission stops at the first request that does not fit (so no
-///    request is passed by one that merely fits better), and none is admitted in a step that had to
-///    preempt. A deferred request is skipped (it waits for a prefix another sequence is computing). In
-///    static mode nothing joins a running batch.
+///    request is passed by one that merely fits better), and none is admitted (or resumed) in a step that
+///    had to preempt. A deferred request is skipped (it waits for a prefix another sequence is computing).
+///    With `KvAdmission::Reserve`, a request needs blocks for its `max_num_tokens` beyond what running
+///    sequences may still grow into (no watermark: they can never run short). In static mode nothing joins
+///    a running batch.
 pub fn schedule(
     config: &SchedulerConfig,
     running: &[SeqView],
+    swapped: &[SeqView],
     waiting: &[SeqView],
     num_free_blocks: usize,
 ) -> StepPlan {
@@ -202,12 +233,47 @@ pub fn schedule(
     if !plan.preempted.is_empty() {
         return plan;
     }
+    for seq in swapped {
+        if plan.scheduled.len() == config.max_batch_size || tokens_left == 0 {
+            return plan;
+        }
+        let num_tokens = (seq.num_tokens - seq.num_computed_tokens).min(tokens_left);
+        let num_new_blocks = num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size);
+        if num_new_blocks + config.watermark_blocks > free_blocks {
+            return plan;
+        }
+        free_blocks -= num_new_blocks;
+        tokens_left -= num_tokens;
+        plan.resumed.push(seq.id);
+        plan.scheduled.push(Scheduled {
+            id: seq.id,
+            num_scheduled_tokens: num_tokens,
+            num_new_blocks,
+        });
+    }
     if let BatchingMode::Static { max_wait_ms } = config.mode {
         let is_batch_ready =
             waiting.len() >= config.max_batch_size || waiting.iter().any(|w| w.waited_ms >= max_wait_ms);
         if !running.is_empty() || !is_batch_ready {
             return plan;
         }
+    }
+    let mut watermark_blocks = config.watermark_blocks;
+    if config.kv_admission == KvAdmission::Reserve {
+        // Blocks running sequences may still need up to their max_new_tokens are not free to admit with.
+        let num_reserved: usize = running
+            .iter()
+            .map(|seq| {
+                let num_planned = plan
+                    .scheduled
+                    .iter()
+                    .find(|s| s.id == seq.id)
+                    .map_or(0, |s| s.num_new_blocks);
+                num_blocks_for(seq.max_num_tokens, config.block_size).saturating_sub(seq.num_blocks + num_planned)
+            })
+            .sum();
+        free_blocks = free_blocks.saturating_sub(num_reserved);
+        watermark_blocks = 0;
     }
     for i in admission_order(waiting, config.max_times_overtaken) {
         let seq = &waiting[i];
@@ -220,8 +286,13 @@ pub fn schedule(
         let num_tokens = (seq.num_tokens - seq.num_computed_tokens).min(tokens_left);
         let num_new_blocks =
             num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
-        let num_claimed_blocks = num_new_blocks + seq.num_cached_evictable;
-        if num_claimed_blocks + config.watermark_blocks > free_blocks {
+        let num_claimed_blocks = match config.kv_admission {
+            KvAdmission::Incremental => num_new_blocks,
+            KvAdmission::Reserve => {
+                num_blocks_for(seq.max_num_tokens, config.block_size).saturating_sub(seq.num_blocks)
+            }
+        } + seq.num_cached_evictable;
+        if num_claimed_blocks + watermark_blocks > free_blocks {
             break;
         }
         free_blocks -= num_claimed_blocks;

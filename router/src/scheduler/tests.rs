@@ -12,6 +12,7 @@ fn config(max_batch_tokens: usize, max_batch_size: usize) -> SchedulerConfig {
         block_size: 4,
         watermark_blocks: 1,
         mode: BatchingMode::Continuous,
+        kv_admission: KvAdmission::Incremental,
         max_times_overtaken: 8,
     }
 }
@@ -28,6 +29,7 @@ fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_blocks: usize
         waited_ms: 0,
         num_cached_evictable: 0,
         is_deferred: false,
+        max_num_tokens: num_tokens,
     }
 }
 
@@ -40,7 +42,7 @@ fn with_priority(mut view: SeqView, priority: i32) -> SeqView {
 fn decodes_first_then_prompt_chunks_fill_the_budget() {
     let running = [seq(1, 9, 8, 2), seq(2, 5, 4, 1)];
     let waiting = [seq(3, 100, 0, 0)];
-    let plan = schedule(&config(16, 8), &running, &waiting, 100);
+    let plan = schedule(&config(16, 8), &running, &[], &waiting, 100);
     assert_eq!(
         plan.scheduled[0],
         Scheduled {
@@ -72,7 +74,7 @@ fn decodes_first_then_prompt_chunks_fill_the_budget() {
 #[test]
 fn a_long_prompt_continues_in_chunks_next_to_decodes() {
     let running = [seq(1, 100, 14, 4), seq(2, 5, 4, 1)];
-    let plan = schedule(&config(16, 8), &running, &[], 100);
+    let plan = schedule(&config(16, 8), &running, &[], &[], 100);
     // The younger decode is served before the older prompt's chunk, which gets the rest of the budget.
     assert_eq!(plan.scheduled[0].id, RequestId(2));
     assert_eq!(plan.scheduled[0].num_scheduled_tokens, 1);
@@ -85,16 +87,16 @@ fn a_long_prompt_continues_in_chunks_next_to_decodes() {
 fn admission_keeps_the_watermark_and_the_queue_order() {
     // Request 1 needs 3 blocks; with 3 free and a watermark of 1 it must wait, and request 2 behind it too.
     let waiting = [seq(1, 12, 0, 0), seq(2, 1, 0, 0)];
-    let plan = schedule(&config(64, 8), &[], &waiting, 3);
+    let plan = schedule(&config(64, 8), &[], &[], &waiting, 3);
     assert!(plan.scheduled.is_empty());
-    let plan = schedule(&config(64, 8), &[], &waiting, 4);
+    let plan = schedule(&config(64, 8), &[], &[], &waiting, 4);
     assert_eq!(plan.admitted, vec![RequestId(1)]);
 }
 
 #[test]
 fn preempts_the_newest_when_a_decode_needs_a_block() {
     let running = [seq(1, 9, 8, 2), seq(2, 9, 8, 2), seq(3, 9, 8, 2)];
-    let plan = schedule(&config(64, 8), &running, &[seq(4, 1, 0, 0)], 0);
+    let plan = schedule(&config(64, 8), &running, &[], &[seq(4, 1, 0, 0)], 0);
     assert_eq!(plan.preempted, vec![RequestId(3)]);
     let ids: Vec<_> = plan.scheduled.iter().map(|s| s.id).collect();
     assert_eq!(ids, vec![RequestId(1), RequestId(2)]);
@@ -104,7 +106,7 @@ fn preempts_the_newest_when_a_decode_needs_a_block() {
 #[test]
 fn the_newest_needy_sequence_preempts_itself() {
     let running = [seq(1, 9, 8, 2)];
-    let plan = schedule(&config(64, 8), &running, &[], 0);
+    let plan = schedule(&config(64, 8), &running, &[], &[], 0);
     assert_eq!(plan.preempted, vec![RequestId(1)]);
     assert!(plan.scheduled.is_empty());
 }
@@ -112,7 +114,7 @@ fn the_newest_needy_sequence_preempts_itself() {
 #[test]
 fn batch_size_limits_the_forward() {
     let waiting: Vec<_> = (0..10).map(|i| seq(i, 3, 0, 0)).collect();
-    let plan = schedule(&config(1000, 4), &[], &waiting, 1000);
+    let plan = schedule(&config(1000, 4), &[], &[], &waiting, 1000);
     assert_eq!(plan.scheduled.len(), 4);
 }
 
@@ -133,6 +135,11 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             block_size: rng.random_range(1..6),
             watermark_blocks: rng.random_range(0..3),
             mode: BatchingMode::Continuous,
+            kv_admission: if rng.random_bool(0.3) {
+                KvAdmission::Reserve
+            } else {
+                KvAdmission::Incremental
+            },
             max_times_overtaken: 4,
         };
         let num_requests = rng.random_range(1..40);
@@ -142,6 +149,8 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
         let mut allocator = BlockAllocator::new(num_blocks);
         let mut waiting: std::collections::VecDeque<SimSeq> = std::collections::VecDeque::new();
         let mut running: Vec<SimSeq> = Vec::new();
+        // Victims swapped out: they keep their computed tokens but hold no (device) blocks.
+        let mut swapped: std::collections::VecDeque<SimSeq> = std::collections::VecDeque::new();
         let mut next_arrival = 0u64;
         let mut admission_order = Vec::new();
         let mut num_finished = 0;
@@ -151,24 +160,39 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             assert!(num_steps < 100_000, "the workload does not finish");
             if (next_arrival as usize) < num_requests && rng.random_bool(0.3) {
                 let prompt = rng.random_range(1..20);
+                let num_final_tokens = prompt + rng.random_range(1..=(max_len - prompt));
+                let mut view = with_priority(seq(next_arrival, prompt, 0, 0), rng.random_range(0..3));
+                view.max_num_tokens = num_final_tokens;
                 waiting.push_back(SimSeq {
-                    view: with_priority(seq(next_arrival, prompt, 0, 0), rng.random_range(0..3)),
-                    num_final_tokens: prompt + rng.random_range(1..=(max_len - prompt)),
+                    view,
+                    num_final_tokens,
                     blocks: Vec::new(),
                 });
                 next_arrival += 1;
             }
             let running_views: Vec<_> = running.iter().map(|s| s.view).collect();
             let waiting_views: Vec<_> = waiting.iter().map(|s| s.view).collect();
+            let swapped_views: Vec<_> = swapped.iter().map(|s| s.view).collect();
             let plan = schedule(
                 &cfg,
                 &running_views,
+                &swapped_views,
                 &waiting_views,
                 allocator.num_free_blocks() as usize,
             );
 
             assert!(plan.num_scheduled_tokens() <= cfg.max_batch_tokens);
             assert!(plan.scheduled.len() <= cfg.max_batch_size);
+            if cfg.kv_admission == KvAdmission::Reserve {
+                assert!(plan.preempted.is_empty(), "reserve admission never preempts");
+            }
+            for resumed in &plan.resumed {
+                let i = swapped
+                    .iter()
+                    .position(|s| s.view.id == *resumed)
+                    .expect("resumed from swapped");
+                running.push(swapped.remove(i).expect("in range"));
+            }
             for admitted in &plan.admitted {
                 let i = waiting
                     .iter()
@@ -198,8 +222,12 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 s.blocks.clear();
                 s.view.num_blocks = 0;
                 s.view.num_freeable_blocks = 0;
-                s.view.num_computed_tokens = 0;
-                waiting.push_front(s);
+                if s.view.num_computed_tokens > 0 && rng.random_bool(0.5) {
+                    swapped.push_back(s);
+                } else {
+                    s.view.num_computed_tokens = 0;
+                    waiting.push_front(s);
+                }
             }
             for step in &plan.scheduled {
                 let s = running
@@ -246,7 +274,7 @@ fn lower_priority_numbers_run_first_fcfs_within_a_level() {
         with_priority(seq(2, 4, 0, 0), 0),
         with_priority(seq(3, 4, 0, 0), 0),
     ];
-    let plan = schedule(&config(8, 8), &[], &waiting, 100);
+    let plan = schedule(&config(8, 8), &[], &[], &waiting, 100);
     assert_eq!(plan.admitted, vec![RequestId(2), RequestId(3)]);
 }
 
@@ -255,7 +283,7 @@ fn a_request_overtaken_too_often_goes_first() {
     let mut starving = with_priority(seq(1, 4, 0, 0), 5);
     starving.num_times_overtaken = 8;
     let waiting = [starving, seq(2, 4, 0, 0)];
-    let plan = schedule(&config(4, 8), &[], &waiting, 100);
+    let plan = schedule(&config(4, 8), &[], &[], &waiting, 100);
     assert_eq!(plan.admitted, vec![RequestId(1)]);
 }
 
@@ -266,7 +294,7 @@ fn the_lowest_priority_is_preempted_first() {
         with_priority(seq(2, 9, 8, 2), 3),
         seq(3, 9, 8, 2),
     ];
-    let plan = schedule(&config(64, 8), &running, &[], 0);
+    let plan = schedule(&config(64, 8), &running, &[], &[], 0);
     assert_eq!(plan.preempted, vec![RequestId(2)]);
 }
 
@@ -276,20 +304,20 @@ fn static_batches_wait_to_fill_and_admit_nothing_while_running() {
     cfg.mode = BatchingMode::Static { max_wait_ms: 100 };
     let waiting = [seq(1, 2, 0, 0), seq(2, 2, 0, 0)];
     assert!(
-        schedule(&cfg, &[], &waiting, 100).admitted.is_empty(),
+        schedule(&cfg, &[], &[], &waiting, 100).admitted.is_empty(),
         "not full and nobody waited long"
     );
     let mut old = waiting;
     old[0].waited_ms = 150;
     assert_eq!(
-        schedule(&cfg, &[], &old, 100).admitted.len(),
+        schedule(&cfg, &[], &[], &old, 100).admitted.len(),
         2,
         "the timeout starts a partial batch"
     );
     let full = [seq(1, 2, 0, 0), seq(2, 2, 0, 0), seq(3, 2, 0, 0)];
-    assert_eq!(schedule(&cfg, &[], &full, 100).admitted.len(), 3);
+    assert_eq!(schedule(&cfg, &[], &[], &full, 100).admitted.len(), 3);
     let running = [seq(9, 5, 4, 1)];
-    let plan = schedule(&cfg, &running, &full, 100);
+    let plan = schedule(&cfg, &running, &[], &full, 100);
     assert!(plan.admitted.is_empty(), "nothing joins a running static batch");
     assert_eq!(plan.scheduled.len(), 1);
 }
@@ -298,7 +326,7 @@ fn static_batches_wait_to_fill_and_admit_nothing_while_running() {
 fn cached_prefixes_go_first_within_a_priority_level() {
     // Request 2 would start from 8 cached tokens; it is admitted before request 1, which fits no more.
     let waiting = [seq(1, 12, 0, 0), seq(2, 12, 8, 2)];
-    let plan = schedule(&config(64, 8), &[], &waiting, 3);
+    let plan = schedule(&config(64, 8), &[], &[], &waiting, 3);
     assert_eq!(plan.admitted, vec![RequestId(2)]);
     assert_eq!(plan.scheduled[0].num_scheduled_tokens, 4);
     assert_eq!(plan.scheduled[0].num_new_blocks, 1);
@@ -308,7 +336,7 @@ fn cached_prefixes_go_first_within_a_priority_level() {
 fn deferred_requests_are_skipped_not_blocking() {
     let mut deferred = seq(1, 12, 0, 0);
     deferred.is_deferred = true;
-    let plan = schedule(&config(64, 8), &[], &[deferred, seq(2, 4, 0, 0)], 100);
+    let plan = schedule(&config(64, 8), &[], &[], &[deferred, seq(2, 4, 0, 0)], 100);
     assert_eq!(plan.admitted, vec![RequestId(2)]);
 }
 
@@ -317,6 +345,56 @@ fn claiming_evictable_cached_blocks_counts_against_free_blocks() {
     let mut hit = seq(1, 12, 8, 2);
     hit.num_cached_evictable = 2;
     // 1 new block + 2 claimed + watermark 1 = 4 > 3 available.
-    assert!(schedule(&config(64, 8), &[], &[hit], 3).admitted.is_empty());
-    assert_eq!(schedule(&config(64, 8), &[], &[hit], 4).admitted, vec![RequestId(1)]);
+    assert!(schedule(&config(64, 8), &[], &[], &[hit], 3).admitted.is_empty());
+    assert_eq!(
+        schedule(&config(64, 8), &[], &[], &[hit], 4).admitted,
+        vec![RequestId(1)]
+    );
+}
+
+#[test]
+fn swapped_sequences_resume_before_new_admissions() {
+    // Swapped 7 has 9 tokens, 8 computed: it needs 3 blocks (9 tokens) back; 1 block is the watermark.
+    let swapped = [seq(7, 9, 8, 0), seq(8, 5, 4, 0)];
+    let waiting = [seq(9, 4, 0, 0)];
+    let plan = schedule(&config(64, 8), &[], &swapped, &waiting, 4);
+    assert_eq!(plan.resumed, vec![RequestId(7)]);
+    assert_eq!(
+        plan.scheduled,
+        vec![Scheduled {
+            id: RequestId(7),
+            num_scheduled_tokens: 1,
+            num_new_blocks: 3
+        }]
+    );
+    assert!(
+        plan.admitted.is_empty(),
+        "nothing overtakes a swapped sequence that waits for room"
+    );
+    let plan = schedule(&config(64, 8), &[], &swapped, &waiting, 100);
+    assert_eq!(plan.resumed, vec![RequestId(7), RequestId(8)]);
+    assert_eq!(plan.admitted, vec![RequestId(9)]);
+    // A step that preempts resumes nothing.
+    let running = [seq(1, 5, 4, 1), seq(2, 5, 4, 1)];
+    let plan = schedule(&config(64, 8), &running, &swapped, &[], 1);
+    assert_eq!(plan.preempted, vec![RequestId(2)]);
+    assert!(plan.resumed.is_empty());
+}
+
+#[test]
+fn reserve_admission_claims_max_new_tokens_and_counts_running_growth() {
+    let mut cfg = config(64, 8);
+    cfg.kv_admission = KvAdmission::Reserve;
+    let mut request = seq(1, 4, 0, 0);
+    request.max_num_tokens = 4 + 12; // 4 blocks of 4
+    assert!(schedule(&cfg, &[], &[], &[request], 3).admitted.is_empty());
+    assert_eq!(schedule(&cfg, &[], &[], &[request], 4).admitted, vec![RequestId(1)]);
+    // A running sequence holding 1 block may grow to 3: 2 more blocks are not free to admit with.
+    let mut running = seq(2, 3, 2, 1);
+    running.max_num_tokens = 12;
+    assert!(schedule(&cfg, &[running], &[], &[request], 5).admitted.is_empty());
+    assert_eq!(
+        schedule(&cfg, &[running], &[], &[request], 6).admitted,
+        vec![RequestId(1)]
+    );
 }

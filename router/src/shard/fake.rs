@@ -1,5 +1,8 @@
 //! A deterministic stand-in shard for router unit tests (never used outside `cfg(test)`): it checks
 //! the calls it gets the way a real shard would and "predicts" the token after `t` to be `t + 1`.
+//! Its "KV pool" stores the token id written at each slot (and its swap pool copies them), and every
+//! call checks that each sequence's block table still holds, at every computed position the fake
+//! wrote for it, the token it wrote there: a wrong block table, a lost or misplaced swap fails the call.
 
 use std::{
     collections::HashMap,
@@ -18,11 +21,17 @@ struct FakeState {
     /// Sequences the fake holds params for.
     known: HashMap<u64, pb::SamplingParams>,
     num_forwards: usize,
+    /// Token id written at each device slot / host slot (absent: never written).
+    device_slots: HashMap<usize, u32>,
+    host_slots: HashMap<usize, u32>,
+    /// Per sequence: the tokens the fake computed for it, by position, since it was last released.
+    written: HashMap<u64, HashMap<usize, u32>>,
 }
 
 #[derive(Clone)]
 pub struct FakeShard {
     num_blocks: u32,
+    num_host_blocks: u32,
     block_size: u32,
     state: Arc<Mutex<FakeState>>,
 }
@@ -31,9 +40,16 @@ impl FakeShard {
     pub fn new(num_blocks: u32, block_size: u32) -> Self {
         Self {
             num_blocks,
+            num_host_blocks: 0,
             block_size,
             state: Arc::default(),
         }
+    }
+
+    /// With a host swap pool of `num_host_blocks` blocks (block 0 included), cheap to copy.
+    pub fn with_swap_pool(mut self, num_host_blocks: u32) -> Self {
+        self.num_host_blocks = num_host_blocks;
+        self
     }
 
     /// Sequences whose state the fake still holds (they were never released).
@@ -47,6 +63,33 @@ impl FakeShard {
         let invalid = |message: String| ShardError::Rpc { rank: 0, message };
         for id in &request.released_ids {
             state.known.remove(id);
+            state.written.remove(id);
+        }
+        let block_size = self.block_size as usize;
+        for (copies, is_out) in [(&request.swap_out, true), (&request.swap_in, false)] {
+            for copy in copies {
+                if copy.device_block == 0 || copy.device_block >= self.num_blocks {
+                    return Err(invalid(format!("swap names device block {}", copy.device_block)));
+                }
+                if copy.host_block == 0 || copy.host_block >= self.num_host_blocks {
+                    return Err(invalid(format!("swap names host block {}", copy.host_block)));
+                }
+                for offset in 0..block_size {
+                    let device = copy.device_block as usize * block_size + offset;
+                    let host = copy.host_block as usize * block_size + offset;
+                    let (from, to) = if is_out { (device, host) } else { (host, device) };
+                    let state = &mut *state;
+                    let (source, target) = if is_out {
+                        (&state.device_slots, &mut state.host_slots)
+                    } else {
+                        (&state.host_slots, &mut state.device_slots)
+                    };
+                    match source.get(&from).copied() {
+                        Some(token) => target.insert(to, token),
+                        None => target.remove(&to),
+                    };
+                }
+            }
         }
         let mut generations = Vec::new();
         for chunk in &request.sequences {
@@ -62,6 +105,22 @@ impl FakeShard {
             }
             if chunk.block_table.iter().any(|&b| b == 0 || b >= self.num_blocks) {
                 return Err(invalid(format!("sequence {} names a bad block", chunk.id)));
+            }
+            let slot = |p: usize| chunk.block_table[p / block_size] as usize * block_size + p % block_size;
+            let start = chunk.num_computed_tokens as usize;
+            let written = state.written.entry(chunk.id).or_default().clone();
+            for (&p, &token) in &written {
+                if p < start && state.device_slots.get(&slot(p)) != Some(&token) {
+                    return Err(invalid(format!("sequence {} lost its K/V at position {p}", chunk.id)));
+                }
+            }
+            for (k, &token) in chunk.token_ids.iter().enumerate() {
+                state.device_slots.insert(slot(start + k), token);
+                state
+                    .written
+                    .get_mut(&chunk.id)
+                    .expect("entry made above")
+                    .insert(start + k, token);
             }
             if chunk.sample {
                 let last = *chunk.token_ids.last().expect("chunks are not empty");
@@ -100,8 +159,13 @@ impl ShardClient for FakeShard {
     }
 
     fn warmup(&self, _: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {
-        let num_blocks = self.num_blocks;
-        async move { Ok(pb::WarmupResponse { num_blocks }) }.boxed()
+        let response = pb::WarmupResponse {
+            num_blocks: self.num_blocks,
+            num_host_blocks: self.num_host_blocks,
+            swap_seconds_per_block: 1e-6,
+            prefill_seconds_per_token: 1e-4,
+        };
+        async move { Ok(response) }.boxed()
     }
 
     fn forward(
@@ -119,7 +183,9 @@ impl ShardClient for FakeShard {
     }
 
     fn clear_cache(&self) -> BoxFuture<'_, Result<(), ShardError>> {
-        self.state.lock().expect("not poisoned").known.clear();
+        let mut state = self.state.lock().expect("not poisoned");
+        state.known.clear();
+        state.written.clear();
         async { Ok(()) }.boxed()
     }
 }

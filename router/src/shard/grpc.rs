@@ -7,6 +7,7 @@ use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint};
 
 use super::{pb, pb::shard_client::ShardClient as RankClient, ShardClient, ShardError};
+use crate::telemetry;
 
 /// Largest message in either direction; a forward call over a long batch carries block tables.
 const MAX_MESSAGE_BYTES: usize = 256 << 20;
@@ -107,16 +108,21 @@ impl ShardClient for GrpcShards {
         request: pb::ForwardRequest,
         is_decode: bool,
     ) -> BoxFuture<'_, Result<pb::ForwardResponse, ShardError>> {
-        self.broadcast(move |mut c| {
-            let request = request.clone();
-            async move {
-                if is_decode {
-                    c.decode(request).await
-                } else {
-                    c.prefill(request).await
+        async move {
+            // Read when polled, inside the caller's step span: the shards' spans become its children.
+            let metadata = telemetry::grpc_metadata();
+            self.broadcast(move |mut c| {
+                let call = tonic::Request::from_parts(metadata.clone(), Default::default(), request.clone());
+                async move {
+                    if is_decode {
+                        c.decode(call).await
+                    } else {
+                        c.prefill(call).await
+                    }
                 }
-            }
-        })
+            })
+            .await
+        }
         .boxed()
     }
 

@@ -39,20 +39,28 @@ class HealthResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("max_batch_tokens", "max_batch_size", "max_total_kv_tokens")
+    __slots__ = ("max_batch_tokens", "max_batch_size", "max_total_kv_tokens", "swap_space_bytes")
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_batch_tokens: int
     max_batch_size: int
     max_total_kv_tokens: int
-    def __init__(self, max_batch_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_total_kv_tokens: _Optional[int] = ...) -> None: ...
+    swap_space_bytes: int
+    def __init__(self, max_batch_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_total_kv_tokens: _Optional[int] = ..., swap_space_bytes: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "num_host_blocks", "swap_seconds_per_block", "prefill_seconds_per_token")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    swap_seconds_per_block: float
+    prefill_seconds_per_token: float
+    def __init__(self, num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., swap_seconds_per_block: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("do_sample", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_p", "typical_p", "top_n_logprobs", "num_prompt_tokens", "min_new_tokens", "stop_token_ids")
@@ -113,13 +121,25 @@ class SequenceChunk(_message.Message):
     cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class BlockCopy(_message.Message):
+    __slots__ = ("device_block", "host_block")
+    DEVICE_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    device_block: int
+    host_block: int
+    def __init__(self, device_block: _Optional[int] = ..., host_block: _Optional[int] = ...) -> None: ...
+
 class ForwardRequest(_message.Message):
-    __slots__ = ("released_ids", "sequences")
+    __slots__ = ("released_ids", "sequences", "swap_out", "swap_in")
     RELEASED_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     released_ids: _containers.RepeatedScalarFieldContainer[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceChunk]
-    def __init__(self, released_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceChunk, _Mapping]]] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, released_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceChunk, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
