@@ -161,7 +161,10 @@ def disconnecting_client(url: str, seed: int) -> bool:
     connection = open_stream(url, stream_body(1000))
     try:
         if mode == "before-first-byte":
-            return False  # the request was sent; nothing is read
+            # The request was sent and reached the server; nothing is read. (A client that hangs up before
+            # the server has even parsed its request never becomes a request anywhere.)
+            time.sleep(0.05)
+            return False
         if mode == "after-delay":
             time.sleep(rng.uniform(0.0, 0.5))  # answer bytes arrive, unread
             return False
