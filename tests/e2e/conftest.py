@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,6 +97,22 @@ def default_model() -> Path:
     from shard.default_model import ensure_default_model
 
     return ensure_default_model()
+
+
+def make_tiny_model(default_model: Path, path: Path) -> Path:
+    """A tiny random Llama (4 query heads, 2 KV heads) with the default model's tokenizer: the real
+    launcher, router and shard at a fraction of the default model's cost."""
+    from tests.shard.conftest import save_tiny_model
+
+    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(default_model, tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from .conftest import Server, start_server, stop_server
-from .test_robustness import assert_kv_whole, make_tiny_model, outcomes
+from .conftest import Server, make_tiny_model, start_server, stop_server
+from .test_robustness import assert_kv_whole, outcomes
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,6 @@ PYTHON_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO
 PROGRESS_BAR = re.compile(r"\d+%\|")  # the shard's weight-loading bar (tqdm)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.shard.conftest import save_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-logging")
-    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model / name, path / name)
-    return path
 
 
 def test_json_logs_carry_the_request_id(tiny_model: Path, tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,15 +29,6 @@ SWAPPED_IN = "rill_swapped_in_blocks_total"
 ROOMY_POOL = ("--max-batch-total-tokens", "8192", "--preemption-mode", "recompute")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.shard.conftest import save_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-preemption")
-    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model / name, path / name)
-    return path
 
 
 def stream(server: Server, prompt: str) -> tuple[list[int], str]:

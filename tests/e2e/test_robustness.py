@@ -23,7 +23,7 @@ import json
 import os
 import random
 import re
-import shutil
+import select
 import signal
 import threading
 import time
@@ -34,7 +34,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
-import pytest
 import requests
 
 from .conftest import Server, start_server, stop_server
@@ -47,19 +46,8 @@ BASE_ARGS = (
 PROMPT = "The river said"
 
 
-def make_tiny_model(default_model: Path, path: Path) -> Path:
-    """A tiny random Llama with the default model's tokenizer (as tests/e2e/test_tensor_parallel.py does)."""
-    from tests.shard.conftest import save_tiny_model
-
-    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model / name, path / name)
-    return path
 
 
-@pytest.fixture(scope="module")
-def tiny_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(default_model, tmp_path_factory.mktemp("tiny-robustness"))
 
 
 def metric(server_url: str, name: str, **labels: str) -> float:
@@ -161,9 +149,10 @@ def disconnecting_client(url: str, seed: int) -> bool:
     connection = open_stream(url, stream_body(1000))
     try:
         if mode == "before-first-byte":
-            # The request was sent and reached the server; nothing is read. (A client that hangs up before
-            # the server has even parsed its request never becomes a request anywhere.)
-            time.sleep(0.05)
+            # Hang up without reading a byte, once the answer has started to arrive (so the server has the
+            # request: a client that hangs up before the server has even parsed its request never becomes a
+            # request anywhere, and no server can count it).
+            select.select([connection.sock], [], [], 30)
             return False
         if mode == "after-delay":
             time.sleep(rng.uniform(0.0, 0.5))  # answer bytes arrive, unread

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
 import requests
 
 from .conftest import Server, start_server, stop_server
@@ -27,15 +25,6 @@ PROMPTS = [f"{subject} {verb}" for subject in SUBJECTS for verb in VERBS]
 SERVER_ARGS = ("--max-batch-tokens", "256", "--max-batch-total-tokens", "8192", "--max-batch-size", "16")
 
 
-@pytest.fixture(scope="module")
-def tiny_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.shard.conftest import save_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-tp")
-    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model / name, path / name)
-    return path
 
 
 def greedy_outputs(server: Server, prompts: list[str], max_new_tokens: int) -> list[list[int]]:

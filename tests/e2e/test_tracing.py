@@ -10,7 +10,6 @@ steps in the same traces (the W3C traceparent went over gRPC).
 from __future__ import annotations
 
 import gzip
-import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -123,15 +122,6 @@ def collector() -> Iterator[Collector]:
     collector.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.shard.conftest import save_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-tracing")
-    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model / name, path / name)
-    return path
 
 
 def test_router_and_shard_spans_form_one_trace(

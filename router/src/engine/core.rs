@@ -248,15 +248,7 @@ impl EngineCore {
                 seq.host_blocks = host_blocks;
                 // The device blocks go back like a finished sequence's (cached, or to their other holders);
                 // the sequence keeps its computed tokens and its state on the shards.
-                let mut activity = CacheActivity::default();
-                let num_computed = seq.num_computed_tokens;
-                self.kv.cache(
-                    seq.cache_salt(),
-                    &seq.token_ids[..num_computed],
-                    &seq.blocks,
-                    &mut activity,
-                );
-                self.count_cache_activity(activity);
+                self.cache_computed(&seq);
                 self.kv.release(&std::mem::take(&mut seq.blocks));
                 self.swapped.push_back(seq);
             } else {
@@ -567,17 +559,17 @@ impl EngineCore {
             self.swap.release(&host_blocks);
         }
         // Prompt and generated tokens stay cached (the next turn of a chat, a resumed preemption hits).
-        let mut activity = CacheActivity::default();
-        let num_computed = seq.num_computed_tokens;
-        self.kv.cache(
-            seq.cache_salt(),
-            &seq.token_ids[..num_computed],
-            &seq.blocks,
-            &mut activity,
-        );
-        self.count_cache_activity(activity);
+        self.cache_computed(seq);
         let blocks = seq.reset_kv();
         self.kv.release(&blocks);
+    }
+
+    /// Enters a sequence's computed full blocks into the prefix cache.
+    fn cache_computed(&mut self, seq: &Sequence) {
+        let mut activity = CacheActivity::default();
+        let tokens = &seq.token_ids[..seq.num_computed_tokens];
+        self.kv.cache(seq.cache_salt(), tokens, &seq.blocks, &mut activity);
+        self.count_cache_activity(activity);
     }
 
     fn count_cache_activity(&self, activity: CacheActivity) {
