@@ -42,6 +42,8 @@ pub struct EngineConfig {
     pub preemption: PreemptionConfig,
 }
 
+mod lifecycle;
+
 pub struct EngineCore {
     shards: Arc<dyn ShardClient>,
     tokenizer: Arc<Tokenizer>,
@@ -476,55 +478,6 @@ impl EngineCore {
         }
     }
 
-    /// Teaches the ITL budget the step time at a few token counts with synthetic forward passes, before
-    /// any request arrives. The budget keeps learning from every real step afterwards.
-    async fn calibrate(&mut self) {
-        const SIZES: [usize; 5] = [1, 8, 32, 128, 512];
-        let block_size = self.config.block_size;
-        for (k, &num_tokens) in SIZES.iter().chain(SIZES.iter()).enumerate() {
-            let num_tokens = num_tokens.min(self.config.max_batch_tokens);
-            let mut activity = CacheActivity::default();
-            let Some(blocks) = self.kv.allocate(num_tokens.div_ceil(block_size), &mut activity) else {
-                break;
-            };
-            let id = u64::MAX - k as u64;
-            let request = pb::ForwardRequest {
-                released_ids: std::mem::take(&mut self.released_ids),
-                sequences: vec![pb::SequenceChunk {
-                    id,
-                    token_ids: vec![0; num_tokens],
-                    num_computed_tokens: 0,
-                    block_table: blocks.clone(),
-                    sample: true,
-                    params: Some(pb::SamplingParams::default()),
-                    cached_token_ids: Vec::new(),
-                }],
-                ..Default::default()
-            };
-            let started = Instant::now();
-            let result = self.shards.forward(request, num_tokens == 1).await;
-            self.kv.release(&blocks);
-            self.released_ids.push(id);
-            match result {
-                Ok(_) => {
-                    if let Some(budget) = &mut self.itl_budget {
-                        budget.observe(num_tokens, started.elapsed().as_secs_f64());
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "step-time calibration failed; the ITL budget learns while serving");
-                    break;
-                }
-            }
-        }
-        if let Some(budget) = &self.itl_budget {
-            tracing::info!(
-                max_step_tokens = budget.max_tokens(1, self.config.max_batch_tokens),
-                "calibrated the step token budget for --target-itl-ms"
-            );
-        }
-    }
-
     /// Fails requests that have waited for admission longer than `--max-queue-time`.
     fn expire_waiting(&mut self) {
         let Some(limit) = self.max_queue_time else { return };
@@ -646,32 +599,6 @@ impl EngineCore {
             }
             self.publish_stats();
             self.recover().await;
-        }
-    }
-
-    /// Waits until the shards answer again (the launcher restarts them with `--restart-shards`), warms
-    /// them up and starts over with a fresh KV pool: their new pools hold nothing, so neither may the
-    /// allocator or the prefix cache. Requests that arrive meanwhile are served afterwards.
-    async fn recover(&mut self) {
-        loop {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            if self.shards.health().await.is_err() {
-                continue;
-            }
-            match self.shards.warmup(self.warmup).await {
-                Ok(warmup) => {
-                    for seq in self.waiting.iter_mut() {
-                        let blocks = seq.reset_kv();
-                        debug_assert!(blocks.is_empty(), "waiting sequences hold no blocks");
-                    }
-                    self.kv = KvPool::new(warmup.num_blocks, self.config.block_size, self.prefix_caching);
-                    let mode = self.swap.mode();
-                    self.swap = SwapPool::new(PreemptionConfig::from_warmup(mode, &warmup));
-                    tracing::info!(blocks = warmup.num_blocks, "the shards are back; serving again");
-                    return;
-                }
-                Err(e) => tracing::warn!(error = %e, "warmup after a shard restart failed; retrying"),
-            }
         }
     }
 
