@@ -177,6 +177,15 @@ pub struct Finished {
     pub end: EndEvent,
 }
 
+/// Waits for every choice to finish, in order.
+async fn collect_all(receivers: Vec<EventReceiver>) -> Result<Vec<Finished>, EngineError> {
+    let mut finished = Vec::with_capacity(receivers.len());
+    for receiver in receivers {
+        finished.push(collect(receiver).await?);
+    }
+    Ok(finished)
+}
+
 /// Waits for a choice to finish.
 async fn collect(mut events: EventReceiver) -> Result<Finished, EngineError> {
     let mut tokens = Vec::new();

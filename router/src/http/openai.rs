@@ -18,7 +18,7 @@ use axum::{
 use futures::{stream::SelectAll, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::{acquire, collect, error::OpenAiError, submit, ApiError, AppState, Finished, RequestTag};
+use super::{acquire, collect_all, error::OpenAiError, submit, ApiError, AppState, Finished, RequestTag};
 use crate::{
     api::{
         openai::{
@@ -281,10 +281,7 @@ pub async fn completions(
 
     if !request.sampling.stream.unwrap_or(false) {
         let _permit = permit;
-        let mut finished = Vec::with_capacity(receivers.len());
-        for rx in receivers {
-            finished.push(collect(rx).await?);
-        }
+        let finished = collect_all(receivers).await?;
         let prompts: Vec<(u32, u32)> = finished
             .chunks(n as usize)
             .map(|group| (group[0].end.num_prompt_tokens, group[0].end.num_cached_tokens))
@@ -428,10 +425,7 @@ pub async fn chat_completions(
 
     if !request.sampling.stream.unwrap_or(false) {
         let _permit = permit;
-        let mut finished = Vec::with_capacity(receivers.len());
-        for rx in receivers {
-            finished.push(collect(rx).await?);
-        }
+        let finished = collect_all(receivers).await?;
         let prompts = [(finished[0].end.num_prompt_tokens, finished[0].end.num_cached_tokens)];
         let choices = finished
             .iter()
