@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,11 +99,12 @@ def metrics(server: Server) -> dict[str, float]:
     return values
 
 
-def bench(args: argparse.Namespace, *argv: str) -> dict[str, Any]:
-    """Runs `python -m bench ...` in-process with a JSON report and returns it."""
+def bench(args: argparse.Namespace, *argv: str, seed: int | None = None) -> dict[str, Any]:
+    """Runs `python -m bench ...` in-process with a JSON report (seeded with `seed`, default `--seed`) and
+    returns it."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         path = Path(out.name)
-    common = ["--seed", str(args.seed), "--json", str(path)]
+    common = ["--seed", str(args.seed if seed is None else seed), "--json", str(path)]
     if args.tokenizer:
         common += ["--tokenizer", str(args.tokenizer)]
     code = cli.main([*argv, *common])
@@ -123,9 +125,10 @@ def suite_scheduling(args: argparse.Namespace) -> dict[str, Any]:
     flags = ["--max-batch-size", "16", "--max-batch-total-tokens", "60000"]
     workload = ["--workload", "mixed", "--num-requests", str(args.num_requests), "--concurrency", "16",
                 "--max-prompt-tokens", "512", "--max-output-tokens", "256"]  # fmt: skip
-    with rill(args, "continuous", *flags) as continuous, rill(
-        args, "static", *flags, "--scheduling", "static", "--static-batch-wait-ms", "2000"
-    ) as static:
+    with (
+        rill(args, "continuous", *flags) as continuous,
+        rill(args, "static", *flags, "--scheduling", "static", "--static-batch-wait-ms", "2000") as static,
+    ):
         report = compare(args, static, continuous, *workload)
     r = report["ratios"]
     ttft_gain = 1 / r["ttft_ms.p99"] if r["ttft_ms.p99"] else None
@@ -149,6 +152,21 @@ def suite_itl(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def engine_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Steps, and seconds of step (the forward call, as the router sees it), model forward (as the shards
+    report it) and the engine's own planning, between two `metrics` samples."""
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    return {
+        "steps": delta("rill_step_duration_seconds_count"),
+        "step_s": delta("rill_step_duration_seconds_sum"),
+        "model_s": delta("rill_model_forward_seconds_total"),
+        "planning_s": delta("rill_engine_planning_seconds_total"),
+    }
+
+
 def suite_overhead(args: argparse.Namespace) -> dict[str, Any]:
     rows = {}
     with rill(args, "overhead", "--max-batch-total-tokens", "60000") as server:
@@ -157,42 +175,97 @@ def suite_overhead(args: argparse.Namespace) -> dict[str, Any]:
             bench(args, "run", "--url", server.url, "--no-progress", "--workload", "random",
                   "--num-requests", str(concurrency * 2), "--concurrency", str(concurrency),
                   "--max-prompt-tokens", "64", "--max-tokens", "48")  # fmt: skip
-            after = metrics(server)
-            step = after["rill_step_duration_seconds_sum"] - before["rill_step_duration_seconds_sum"]
-            model = after["rill_model_forward_seconds_total"] - before["rill_model_forward_seconds_total"]
-            steps = after["rill_step_duration_seconds_count"] - before["rill_step_duration_seconds_count"]
-            rows[concurrency] = {
-                "steps": steps, "step_s": step, "model_s": model, "outside_share": 1 - model / step,
-            }  # fmt: skip
-    print("\nrunning sequences | steps | mean step (ms) | outside the model forward")
+            row = engine_seconds(before, metrics(server))
+            iteration_s = row["step_s"] + row["planning_s"]
+            row["planning_share"] = row["planning_s"] / iteration_s
+            row["outside_share"] = 1 - row["model_s"] / iteration_s
+            rows[concurrency] = row
+    print("\nrunning sequences | steps | mean iteration (ms) | outside the model forward | router planning")
     for concurrency, row in rows.items():
-        print(f"{concurrency:>17} | {row['steps']:>5.0f} | {1e3 * row['step_s'] / row['steps']:>14.1f} | "
-              f"{100 * row['outside_share']:.1f}%")  # fmt: skip
+        iteration_ms = 1e3 * (row["step_s"] + row["planning_s"]) / row["steps"]
+        print(f"{concurrency:>17} | {row['steps']:>5.0f} | {iteration_ms:>19.1f} | "
+              f"{100 * row['outside_share']:>24.1f}% | {100 * row['planning_share']:>14.2f}%")  # fmt: skip
     return {"rows": rows}
 
 
 def suite_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
-    flags = ["--max-batch-total-tokens", "60000"]
-    reports = {}
+    # A pool of 16,384 tokens: the random rounds fill it, so the cache also pays for LRU eviction.
+    flags = ["--max-batch-total-tokens", "16384"]
+    workload = ["--concurrency", "4", "--max-prompt-tokens", "512", "--max-output-tokens", "32"]
+    reports: dict[str, Any] = {}
     with rill(args, "cache-off", *flags, "--no-prefix-caching") as off, rill(args, "cache-on", *flags) as on:
-        for workload in ("shared-prefix", "chat", "random"):
+        for name in ("shared-prefix", "chat"):
             before = metrics(on)
-            reports[workload] = compare(
-                args, off, on, "--workload", workload, "--num-requests", str(args.num_requests),
-                "--concurrency", "4", "--max-prompt-tokens", "512", "--max-output-tokens", "32",
-            )  # fmt: skip
-            after = metrics(on)
-            hits = after["rill_prefix_cache_hit_tokens_total"] - before["rill_prefix_cache_hit_tokens_total"]
-            queried_name = "rill_prefix_cache_queried_tokens_total"
-            queried = after[queried_name] - before[queried_name]
-            reports[workload]["hit_rate"] = hits / queried if queried else 0.0
+            size = ["--workload", name, "--num-requests", str(args.num_requests)]
+            reports[name] = compare(args, off, on, *size, *workload)
+            reports[name]["hit_rate"] = hit_rate(before, metrics(on))
+        reports["random"] = zero_hit_rounds(args, off, on, workload)
     print("\nworkload      | TTFT p50 off/on | output tokens/s on/off | hit rate")
-    for workload, report in reports.items():
-        r = report["ratios"]
+    for name in ("shared-prefix", "chat"):
+        r = reports[name]["ratios"]
         speedup = 1 / r["ttft_ms.p50"] if r["ttft_ms.p50"] else None
-        print(f"{workload:<13} | {ratio(speedup):>15} | {ratio(r['output_tokens_per_s']):>22} | "
-              f"{100 * report['hit_rate']:.0f}%")  # fmt: skip
+        print(f"{name:<13} | {ratio(speedup):>15} | {ratio(r['output_tokens_per_s']):>22} | "
+              f"{100 * reports[name]['hit_rate']:.0f}%")  # fmt: skip
+    print_zero_hit(reports["random"])
     return reports
+
+
+def print_zero_hit(report: dict[str, Any]) -> None:
+    rounds = ", ".join(f"{value:.3f}" for value in report["round_ratios"])
+    print(
+        f"{'random':<13} | {'':>15} | {ratio(report['pooled_ratio']):>22} | {100 * report['hit_rate']:.0f}%"
+    )
+    print(f"\nrandom prompts, output tokens/s on/off by round: {rounds}")
+    print(f"  median {report['median_ratio']:.3f}, pooled {report['pooled_ratio']:.3f}; "
+          f"{report['evicted_blocks']:.0f} cached blocks evicted")  # fmt: skip
+    for side, engine in report["engine"].items():
+        per_step_ms = 1e3 * engine["planning_s"] / engine["steps"]
+        share = engine["planning_s"] / (engine["step_s"] + engine["planning_s"])
+        print(f"  cache {side:<3}: router planning {per_step_ms:.3f} ms a step, {100 * share:.2f}% of it")
+
+
+def hit_rate(before: dict[str, float], after: dict[str, float]) -> float:
+    hits = after["rill_prefix_cache_hit_tokens_total"] - before["rill_prefix_cache_hit_tokens_total"]
+    queried = (
+        after["rill_prefix_cache_queried_tokens_total"] - before["rill_prefix_cache_queried_tokens_total"]
+    )
+    return hits / queried if queried else 0.0
+
+
+def zero_hit_rounds(args: argparse.Namespace, off: Server, on: Server, workload: list[str]) -> dict[str, Any]:
+    """The cost of the cache at a 0% hit rate: `--rounds` rounds of random prompts, each round with new
+    prompts (seed + round, so the cache never holds them) sent to both servers one after the other, the
+    order alternating between rounds. Reports each round's throughput ratio (on/off), their median, the
+    pooled ratio and the router's planning time per step on both sides: the cache's own work, free of the
+    model forward's noise."""
+    servers = {"off": off, "on": on}
+    before = {side: metrics(server) for side, server in servers.items()}
+    tokens = dict.fromkeys(servers, 0.0)
+    seconds = dict.fromkeys(servers, 0.0)
+    round_ratios = []
+    for round_index in range(args.rounds):
+        throughput = {}
+        for side in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
+            summary = bench(args, "run", "--url", servers[side].url, "--no-progress", "--workload", "random",
+                            "--num-requests", str(args.num_requests), *workload,
+                            seed=args.seed + 1000 + round_index)["run"]["summary"]  # fmt: skip
+            tokens[side] += summary["num_output_tokens"]
+            seconds[side] += summary["duration_s"]
+            throughput[side] = summary["output_tokens_per_s"]
+        round_ratios.append(throughput["on"] / throughput["off"])
+        print(
+            f"[suite] random round {round_index + 1}/{args.rounds}: on/off {round_ratios[-1]:.3f}", flush=True
+        )
+    after = {side: metrics(server) for side, server in servers.items()}
+    evicted = "rill_prefix_cache_evicted_blocks_total"
+    return {
+        "round_ratios": round_ratios,
+        "median_ratio": float(statistics.median(round_ratios)),
+        "pooled_ratio": (tokens["on"] / seconds["on"]) / (tokens["off"] / seconds["off"]),
+        "hit_rate": hit_rate(before["on"], after["on"]),
+        "evicted_blocks": after["on"][evicted] - before["on"][evicted],
+        "engine": {side: engine_seconds(before[side], after[side]) for side in servers},
+    }
 
 
 SUITES = {
@@ -212,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--router-bin", type=Path, default=os.environ.get("RILL_ROUTER_BIN"),
                         help="rill-router binary (default: what the launcher finds)")  # fmt: skip
     parser.add_argument("--num-requests", type=int, default=24, help="per side (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="prefix-cache: rounds of 0%%-hit prompts (default: %(default)s)")  # fmt: skip
     parser.add_argument("--target-itl-ms", type=float, default=500.0, help="for `itl` (default: %(default)s)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for exact prompt lengths")
     parser.add_argument("--seed", type=int, default=0)

@@ -62,6 +62,10 @@ pub struct Metrics {
     /// Seconds of model forward reported by the shards; against `step_duration`'s sum it gives the share
     /// of each step spent outside the model (planning, gRPC, batch preparation, sampling).
     pub model_forward_seconds: Counter,
+    /// Seconds the engine loop spent on its own work around each forward call: planning the step
+    /// (prefix-cache lookups, admission, preemption), applying it to the KV pool, and applying the sampled
+    /// tokens (stop checks, caching computed blocks, releasing finished sequences).
+    pub engine_planning_seconds: Counter,
     pub step_tokens: Histogram,
     pub step_duration: Histogram,
     pub queue_time: Histogram,
@@ -90,6 +94,14 @@ fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
     let counter = IntCounter::new(name, help).expect("valid counter");
+    registry
+        .register(Box::new(counter.clone()))
+        .expect("metric names are unique");
+    counter
+}
+
+fn float_counter(registry: &Registry, name: &str, help: &str) -> Counter {
+    let counter = Counter::new(name, help).expect("valid counter");
     registry
         .register(Box::new(counter.clone()))
         .expect("metric names are unique");
@@ -200,17 +212,16 @@ impl Metrics {
                 "rill_cancelled_tokens_total",
                 "Tokens (prompt + generated) held by requests when they were cancelled",
             ),
-            model_forward_seconds: {
-                let counter = Counter::new(
-                    "rill_model_forward_seconds_total",
-                    "Seconds the shards spent in the model forward itself",
-                )
-                .expect("valid counter");
-                registry
-                    .register(Box::new(counter.clone()))
-                    .expect("metric names are unique");
-                counter
-            },
+            model_forward_seconds: float_counter(
+                &registry,
+                "rill_model_forward_seconds_total",
+                "Seconds the shards spent in the model forward itself",
+            ),
+            engine_planning_seconds: float_counter(
+                &registry,
+                "rill_engine_planning_seconds_total",
+                "Seconds the router's engine loop spent planning steps and applying their outputs",
+            ),
             step_tokens: histogram(&registry, "rill_step_tokens", "Tokens computed per iteration", tokens),
             step_duration: histogram(
                 &registry,

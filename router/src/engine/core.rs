@@ -161,7 +161,8 @@ impl EngineCore {
         let is_decode = plan.is_decode_only();
         let request = self.apply_plan(&plan);
         let step_span = self.step_span(&plan, is_decode);
-        let started = std::time::Instant::now();
+        let started = Instant::now();
+        let planning = started - now;
         let result = self
             .shards
             .forward(request, is_decode)
@@ -188,7 +189,11 @@ impl EngineCore {
                 self.metrics
                     .model_forward_seconds
                     .inc_by(response.forward_time_us as f64 / 1e6);
-                self.apply_outputs(&plan, response)
+                let applying = Instant::now();
+                self.apply_outputs(&plan, response);
+                self.metrics
+                    .engine_planning_seconds
+                    .inc_by((planning + applying.elapsed()).as_secs_f64());
             }
             Err(e) => self.fail_all(e.to_string()).await,
         }

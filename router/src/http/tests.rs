@@ -506,6 +506,11 @@ async fn metrics_count_outcomes_and_latencies() {
     assert!(text.contains("rill_time_to_first_token_seconds_count 2"), "{text}");
     assert!(text.contains("rill_inter_token_latency_seconds_count 3"), "{text}");
     assert!(text.contains("rill_generated_tokens_total 5"), "{text}");
+    assert!(
+        metrics.engine_planning_seconds.get() > 0.0,
+        "the engine's own time is counted"
+    );
+    assert!(text.contains("rill_engine_planning_seconds_total"), "{text}");
 }
 
 #[tokio::test]
