@@ -41,15 +41,9 @@ impl KvPool {
         self.cache.as_ref().map_or(0, RadixCache::num_cached_blocks)
     }
 
-    fn is_evictable(allocator: &BlockAllocator, block: u32) -> bool {
-        allocator.ref_count(block) == 1
-    }
-
-    /// Blocks an allocation can get now: free ones plus evictable cached ones.
+    /// Blocks an allocation can get now: free ones plus evictable cached ones. O(1).
     pub fn num_available_blocks(&self) -> usize {
-        let num_evictable = self.cache.as_ref().map_or(0, |cache| {
-            cache.num_evictable(|b| Self::is_evictable(&self.allocator, b))
-        });
+        let num_evictable = self.cache.as_ref().map_or(0, RadixCache::num_evictable);
         self.allocator.num_free_blocks() as usize + num_evictable
     }
 
@@ -67,10 +61,7 @@ impl KvPool {
     /// Of these cached blocks, how many are evictable now: attaching them makes that many blocks
     /// unavailable to allocations.
     pub fn num_evictable_among(&self, blocks: &[u32]) -> usize {
-        blocks
-            .iter()
-            .filter(|&&b| Self::is_evictable(&self.allocator, b))
-            .count()
+        blocks.iter().filter(|&&b| self.allocator.ref_count(b) == 1).count()
     }
 
     /// Adds a holder to blocks already in use (a prefix hit, or a sibling's shared prompt).
@@ -78,6 +69,11 @@ impl KvPool {
         self.allocator
             .share(blocks)
             .expect("attached blocks are cached or held by a sibling");
+        if let Some(cache) = self.cache.as_mut() {
+            for &block in blocks {
+                cache.set_held(block, true);
+            }
+        }
     }
 
     /// Takes `num_blocks` blocks, evicting least recently used cached blocks when the free list is short.
@@ -85,8 +81,7 @@ impl KvPool {
         let num_free = self.allocator.num_free_blocks() as usize;
         if num_free < num_blocks {
             if let Some(cache) = self.cache.as_mut() {
-                let allocator = &self.allocator;
-                let evicted = cache.evict(num_blocks - num_free, |b| Self::is_evictable(allocator, b));
+                let evicted = cache.evict(num_blocks - num_free);
                 self.allocator
                     .free(&evicted)
                     .expect("the cache held the blocks it evicted");
@@ -101,6 +96,13 @@ impl KvPool {
         self.allocator
             .free(blocks)
             .expect("a sequence only holds blocks it was given");
+        if let Some(cache) = self.cache.as_mut() {
+            for &block in blocks {
+                if self.allocator.ref_count(block) == 1 {
+                    cache.set_held(block, false);
+                }
+            }
+        }
     }
 
     /// Enters the full blocks of `tokens` (held in `blocks`) into the cache, so later requests with this
@@ -126,11 +128,21 @@ impl KvPool {
             .count()
     }
 
-    /// Panics if the allocator or the cache is inconsistent, or they disagree.
+    /// Panics if the allocator or the cache is inconsistent, or they disagree: a cached block is held by a
+    /// sequence exactly when the allocator counts a holder besides the cache.
     pub fn check_invariants(&self) {
         self.allocator.check_invariants();
         if let Some(cache) = &self.cache {
             cache.check_invariants();
+            for block in 1..=self.allocator.num_usable_blocks() {
+                if let Some(is_held) = cache.is_held(block) {
+                    assert_eq!(
+                        is_held,
+                        self.allocator.ref_count(block) > 1,
+                        "block {block}: hold out of sync"
+                    );
+                }
+            }
         }
     }
 }

@@ -13,13 +13,16 @@
 //! Ownership, with [`BlockAllocator`](super::BlockAllocator) reference counts:
 //! - the cache is one holder of every block it contains: the caller shares (rc+1) exactly the ids
 //!   [`RadixCache::insert`] returns, and frees exactly the ids [`RadixCache::evict`] returns;
-//! - a sequence using cached blocks (after [`RadixCache::match_prefix`] and a share) is another holder, so
-//!   a block with rc == 1 is held by the cache alone, and only such blocks should be evicted (the caller
-//!   says which through the `is_evictable` predicate; the cache never reads the allocator).
+//! - a sequence using cached blocks (after [`RadixCache::match_prefix`] and a share) is another holder.
+//!   The cache never reads the allocator: the caller says through [`RadixCache::set_held`] whenever a
+//!   cached block gains its first holder besides the cache or loses its last one (blocks enter the cache
+//!   held, by the sequence that inserts them). Only blocks nobody else holds are evicted.
 //!
 //! Eviction is LRU over leaves: a node goes only after all its descendants, because a child's K/V are
-//! only meaningful after its parent's. The LRU clock is logical (one tick per match or insert), never
-//! the wall clock.
+//! only meaningful after its parent's. A held block therefore *pins* itself and its ancestors; the tree
+//! keeps, per node, how many of its children are pinned, so the number of evictable blocks is known at
+//! every step in O(1) and a change of hold costs O(1) (O(depth) at worst). The LRU clock is logical (one
+//! tick per match or insert), never the wall clock.
 
 use std::{
     cmp::Reverse,
@@ -53,6 +56,17 @@ struct Node {
     children: HashMap<Arc<[u32]>, NodeId>,
     /// Logical time of the last match or insert that went through this node; an ancestor's is never older.
     last_access: u64,
+    /// A sequence holds the block (besides the cache).
+    is_held: bool,
+    /// Children that are pinned: held, or with a held descendant.
+    num_pinned_children: u32,
+}
+
+impl Node {
+    /// Whether eviction must keep this block: it is held, or a descendant is (whose K/V need it).
+    fn is_pinned(&self) -> bool {
+        self.is_held || self.num_pinned_children > 0
+    }
 }
 
 /// A radix tree of cached KV blocks keyed by token ids, namespaced by salt. See the module docs for the
@@ -65,8 +79,11 @@ pub struct RadixCache {
     free_slots: Vec<NodeId>,
     /// The children of each salt's (implicit, blockless) root. A salt with no cached block has no entry.
     roots: HashMap<u64, HashMap<Arc<[u32]>, NodeId>>,
-    /// Which node holds each cached block; its length is the number of cached blocks.
-    node_of_block: HashMap<u32, NodeId>,
+    /// Which node holds each block id (indexed by block id; grown on demand).
+    node_of_block: Vec<Option<NodeId>>,
+    num_cached_blocks: usize,
+    /// Nodes that are pinned (see [`Node::is_pinned`]).
+    num_pinned: usize,
     /// Eviction candidates `(last_access, node)`, oldest first. Lazily invalidated: an entry counts only
     /// while its node is alive, is a leaf and still has that `last_access`. Every live leaf has a valid
     /// entry; stale entries are dropped when popped or when the heap is rebuilt.
@@ -84,7 +101,9 @@ impl RadixCache {
             nodes: Vec::new(),
             free_slots: Vec::new(),
             roots: HashMap::new(),
-            node_of_block: HashMap::new(),
+            node_of_block: Vec::new(),
+            num_cached_blocks: 0,
+            num_pinned: 0,
             candidates: BinaryHeap::new(),
             clock: 0,
         }
@@ -126,8 +145,8 @@ impl RadixCache {
     /// tokens `[i * block_size, (i + 1) * block_size)` (extra entries of `blocks`, such as a partial last
     /// block, are ignored). Where the tree already has a node for a block's tokens it is kept, whatever its
     /// block id (another sequence computed the same prefix first); elsewhere a node is created for the
-    /// given block. Returns the ids newly added, in path order: the caller shares exactly those with the
-    /// allocator. Inserting a path already cached adds nothing. A block already cached at another place
+    /// given block, held (the inserting sequence holds it). Returns the ids newly added, in path order: the
+    /// caller shares exactly those with the allocator. Inserting a path already cached adds nothing. A block already cached at another place
     /// (a caller bug) is never cached twice: insertion stops there. Marks the whole path as recently used.
     ///
     /// Panics if `blocks` has fewer than `tokens.len() / block_size` entries.
@@ -148,7 +167,7 @@ impl RadixCache {
                     self.node_mut(id).last_access = now;
                     id
                 }
-                None if self.node_of_block.contains_key(&block) => break,
+                None if self.contains_block(block) => break,
                 None => {
                     added.push(block);
                     self.add_node(salt, parent, chunk, block, now)
@@ -162,13 +181,12 @@ impl RadixCache {
         added
     }
 
-    /// Removes up to `num_blocks` blocks, least recently used first, among leaves whose block
-    /// `is_evictable` (callers pass "the allocator's ref count is 1", i.e. only the cache holds it).
-    /// Evicting a leaf can make its parent a leaf, which is then a candidate in the same call; a block that
-    /// is not evictable keeps its ancestors cached. Returns the evicted ids (fewer than asked when nothing
-    /// else is evictable): the caller frees exactly those. Cost: O((evicted + skipped) log n), where skipped
-    /// counts the leaves found not evictable on the way.
-    pub fn evict(&mut self, num_blocks: usize, is_evictable: impl Fn(u32) -> bool) -> Vec<u32> {
+    /// Removes up to `num_blocks` blocks, least recently used first, among leaves nobody holds. Evicting a
+    /// leaf can make its parent a leaf, which is then a candidate in the same call; a held block keeps its
+    /// ancestors cached. Returns the evicted ids (fewer than asked when nothing else is evictable): the
+    /// caller frees exactly those. Cost: O((evicted + skipped) log n), where skipped counts the held leaves
+    /// found on the way.
+    pub fn evict(&mut self, num_blocks: usize) -> Vec<u32> {
         let mut evicted = Vec::new();
         let mut skipped = Vec::new();
         while evicted.len() < num_blocks {
@@ -178,12 +196,12 @@ impl RadixCache {
             if !self.is_candidate(stamp, id) {
                 continue;
             }
-            let block = self.node(id).block;
-            if !is_evictable(block) {
+            let node = self.node(id);
+            if node.is_held {
                 skipped.push(Reverse((stamp, id)));
                 continue;
             }
-            evicted.push(block);
+            evicted.push(node.block);
             if let Some(parent) = self.remove_leaf(id) {
                 self.push_if_leaf(parent);
             }
@@ -196,48 +214,42 @@ impl RadixCache {
         evicted
     }
 
-    /// How many blocks [`evict`](Self::evict) could free right now with the same predicate: the blocks
-    /// whose whole subtree is evictable. Cost: O(n) in cached blocks, one predicate call per block; meant for
-    /// one scheduling decision per step, not per sequence.
-    pub fn num_evictable(&self, is_evictable: impl Fn(u32) -> bool) -> usize {
-        // A block that is not evictable pins itself and every ancestor; mark each chain once.
-        let mut is_pinned = vec![false; self.nodes.len()];
-        for (id, slot) in self.nodes.iter().enumerate() {
-            let Some(node) = slot else { continue };
-            if is_evictable(node.block) {
-                continue;
-            }
-            let mut current = Some(id);
-            while let Some(c) = current {
-                if is_pinned[c] {
-                    break;
-                }
-                is_pinned[c] = true;
-                current = self.node(c).parent;
-            }
-        }
-        self.nodes
-            .iter()
-            .zip(&is_pinned)
-            .filter(|(slot, &pinned)| slot.is_some() && !pinned)
-            .count()
+    /// How many blocks [`evict`](Self::evict) could free right now: those neither held nor an ancestor of
+    /// a held one. O(1).
+    pub fn num_evictable(&self) -> usize {
+        self.num_cached_blocks - self.num_pinned
     }
 
     /// Blocks the cache holds (one allocator reference each).
     pub fn num_cached_blocks(&self) -> usize {
-        self.node_of_block.len()
+        self.num_cached_blocks
     }
 
-    /// Whether the cache holds `block`.
+    /// Whether the cache holds `block`. O(1).
     pub fn contains_block(&self, block: u32) -> bool {
-        self.node_of_block.contains_key(&block)
+        self.node_id(block).is_some()
+    }
+
+    /// Whether a sequence holds the cached `block` (`None` when it is not cached).
+    pub fn is_held(&self, block: u32) -> Option<bool> {
+        self.node_id(block).map(|id| self.node(id).is_held)
+    }
+
+    /// Records whether a sequence (besides the cache) holds `block`; nothing happens for a block the cache
+    /// does not hold. O(1), or O(depth) when the change pins or unpins a chain of ancestors.
+    pub fn set_held(&mut self, block: u32, held: bool) {
+        let Some(id) = self.node_id(block) else { return };
+        let node = self.node_mut(id);
+        let was_pinned = node.is_pinned();
+        node.is_held = held;
+        self.update_pins(id, was_pinned);
     }
 
     /// Panics if the tree is inconsistent: a block cached twice, parent/child links or the block index
     /// disagreeing, an edge of the wrong length, counts off, or a leaf missing from the eviction candidates.
     /// O(n log n); for tests and debug builds.
     pub fn check_invariants(&self) {
-        let mut num_live = 0;
+        let (mut num_live, mut num_pinned) = (0, 0);
         for (id, slot) in self.nodes.iter().enumerate() {
             let Some(node) = slot else { continue };
             num_live += 1;
@@ -247,11 +259,17 @@ impl RadixCache {
                 "node {id}: edge of the wrong length"
             );
             assert_eq!(
-                self.node_of_block.get(&node.block),
-                Some(&id),
+                self.node_id(node.block),
+                Some(id),
                 "node {id}: block {} indexed elsewhere (cached twice?)",
                 node.block
             );
+            let num_pinned_children = node.children.values().filter(|&&c| self.node(c).is_pinned()).count();
+            assert_eq!(
+                node.num_pinned_children as usize, num_pinned_children,
+                "node {id}: pinned children miscounted"
+            );
+            num_pinned += usize::from(node.is_pinned());
             assert!(node.last_access <= self.clock, "node {id}: stamp from the future");
             let siblings = match node.parent {
                 Some(parent) => {
@@ -298,7 +316,10 @@ impl RadixCache {
                 );
             }
         }
-        assert_eq!(num_live, self.node_of_block.len(), "block index and nodes disagree");
+        assert_eq!(num_live, self.num_cached_blocks, "cached blocks miscounted");
+        let num_indexed = self.node_of_block.iter().flatten().count();
+        assert_eq!(num_live, num_indexed, "block index and nodes disagree");
+        assert_eq!(num_pinned, self.num_pinned, "pinned nodes miscounted");
         let mut free_slots = self.free_slots.clone();
         free_slots.sort_unstable();
         free_slots.dedup();
@@ -321,6 +342,37 @@ impl RadixCache {
                     "leaf {id} is not an eviction candidate"
                 );
             }
+        }
+    }
+
+    fn node_id(&self, block: u32) -> Option<NodeId> {
+        self.node_of_block.get(block as usize).copied().flatten()
+    }
+
+    /// After `id`'s own hold or pinned children changed: if that changed whether it is pinned, count it
+    /// and tell its parent, and so on up while pinned-ness keeps changing.
+    fn update_pins(&mut self, mut id: NodeId, mut was_pinned: bool) {
+        loop {
+            let node = self.node(id);
+            let is_pinned = node.is_pinned();
+            if is_pinned == was_pinned {
+                return;
+            }
+            let parent = node.parent;
+            if is_pinned {
+                self.num_pinned += 1;
+            } else {
+                self.num_pinned -= 1;
+            }
+            let Some(parent) = parent else { return };
+            let parent_node = self.node_mut(parent);
+            was_pinned = parent_node.is_pinned();
+            if is_pinned {
+                parent_node.num_pinned_children += 1;
+            } else {
+                parent_node.num_pinned_children -= 1;
+            }
+            id = parent;
         }
     }
 
@@ -348,6 +400,8 @@ impl RadixCache {
             parent,
             children: HashMap::new(),
             last_access: now,
+            is_held: true,
+            num_pinned_children: 0,
         };
         let id = match self.free_slots.pop() {
             Some(id) => {
@@ -364,16 +418,23 @@ impl RadixCache {
             None => self.roots.entry(salt).or_default(),
         };
         siblings.insert(tokens, id);
-        self.node_of_block.insert(block, id);
+        let index = block as usize;
+        if index >= self.node_of_block.len() {
+            self.node_of_block.resize(index + 1, None);
+        }
+        self.node_of_block[index] = Some(id);
+        self.num_cached_blocks += 1;
+        self.update_pins(id, false);
         id
     }
 
     /// Unlinks a leaf and frees its slot; returns its parent.
     fn remove_leaf(&mut self, id: NodeId) -> Option<NodeId> {
         let node = self.nodes[id].take().expect("evicting a live node");
-        debug_assert!(node.children.is_empty(), "evicting a node with children");
+        debug_assert!(!node.is_pinned(), "evicting a pinned node");
         self.free_slots.push(id);
-        self.node_of_block.remove(&node.block);
+        self.node_of_block[node.block as usize] = None;
+        self.num_cached_blocks -= 1;
         match node.parent {
             Some(parent) => {
                 self.node_mut(parent).children.remove(&node.tokens[..]);
@@ -404,7 +465,7 @@ impl RadixCache {
     /// Rebuilds the candidate heap from the live leaves once stale entries outnumber live nodes, so its size
     /// stays O(n) however many matches touch the same leaves. Amortized O(1) per push.
     fn compact_candidates(&mut self) {
-        if self.candidates.len() <= 2 * self.node_of_block.len() + 16 {
+        if self.candidates.len() <= 2 * self.num_cached_blocks + 16 {
             return;
         }
         self.candidates = self
@@ -428,8 +489,11 @@ mod tests {
     use super::*;
     use crate::kv::BlockAllocator;
 
-    fn all(_: u32) -> bool {
-        true
+    /// The sequences holding `blocks` let go of them.
+    fn let_go(cache: &mut RadixCache, blocks: &[u32]) {
+        for &block in blocks {
+            cache.set_held(block, false);
+        }
     }
 
     #[test]
@@ -473,7 +537,8 @@ mod tests {
         assert_eq!(cache.insert(7, &[1, 2], &[20]), vec![20]);
         assert_eq!(cache.match_prefix(0, &[1, 2, 3, 4]).blocks, vec![10, 11]);
         assert_eq!(cache.match_prefix(7, &[1, 2, 3, 4]).blocks, vec![20]);
-        assert_eq!(cache.evict(1, |b| b == 20), vec![20]);
+        let_go(&mut cache, &[20]);
+        assert_eq!(cache.evict(1), vec![20]);
         assert_eq!(cache.match_prefix(7, &[1, 2]), PrefixMatch::default());
         assert_eq!(cache.match_prefix(0, &[1, 2]).blocks, vec![10]);
         cache.check_invariants();
@@ -510,11 +575,12 @@ mod tests {
         cache.insert(0, &[2, 2], &[11]);
         cache.insert(0, &[3, 3], &[12]);
         cache.match_prefix(0, &[1, 1, 9]);
-        assert_eq!(cache.evict(1, all), vec![11]);
-        assert_eq!(cache.evict(1, all), vec![12]);
-        assert_eq!(cache.evict(5, all), vec![10]);
+        let_go(&mut cache, &[10, 11, 12]);
+        assert_eq!(cache.evict(1), vec![11]);
+        assert_eq!(cache.evict(1), vec![12]);
+        assert_eq!(cache.evict(5), vec![10]);
         assert_eq!(cache.num_cached_blocks(), 0);
-        assert_eq!(cache.evict(1, all), Vec::<u32>::new());
+        assert_eq!(cache.evict(1), Vec::<u32>::new());
         cache.check_invariants();
     }
 
@@ -522,9 +588,11 @@ mod tests {
     fn leaves_go_before_their_ancestors() {
         let mut cache = RadixCache::new(2);
         cache.insert(0, &[1, 1, 2, 2, 3, 3], &[10, 11, 12]);
-        assert_eq!(cache.evict(1, all), vec![12]);
-        assert_eq!(cache.evict(0, all), Vec::<u32>::new());
-        assert_eq!(cache.evict(9, all), vec![11, 10]);
+        assert_eq!(cache.evict(9), Vec::<u32>::new(), "held blocks stay");
+        let_go(&mut cache, &[10, 11, 12]);
+        assert_eq!(cache.evict(1), vec![12]);
+        assert_eq!(cache.evict(0), Vec::<u32>::new());
+        assert_eq!(cache.evict(9), vec![11, 10]);
         cache.check_invariants();
     }
 
@@ -533,9 +601,10 @@ mod tests {
         let mut cache = RadixCache::new(2);
         cache.insert(0, &[1, 1, 2, 2, 3, 3], &[10, 11, 12]);
         cache.insert(0, &[4, 4], &[20]);
+        let_go(&mut cache, &[10, 11, 12, 20]);
         // 11 is older than 20, so it goes as soon as its child 12 is gone.
-        assert_eq!(cache.evict(2, all), vec![12, 11]);
-        assert_eq!(cache.evict(1, all), vec![10]);
+        assert_eq!(cache.evict(2), vec![12, 11]);
+        assert_eq!(cache.evict(1), vec![10]);
         assert_eq!(cache.match_prefix(0, &[4, 4]).blocks, vec![20]);
         cache.check_invariants();
     }
@@ -546,17 +615,20 @@ mod tests {
         cache.insert(0, &[1, 1, 2, 2], &[10, 11]);
         cache.insert(0, &[1, 1, 3, 3], &[10, 12]);
         cache.insert(0, &[4, 4], &[20]);
-        let in_use = |b: u32| b != 11;
-        assert_eq!(cache.num_evictable(in_use), 2);
-        let mut evicted = cache.evict(10, in_use);
+        assert_eq!(cache.num_evictable(), 0, "blocks enter held");
+        let_go(&mut cache, &[10, 12, 20]);
+        assert_eq!(cache.num_evictable(), 2, "10 is pinned by its held child 11");
+        let mut evicted = cache.evict(10);
         evicted.sort_unstable();
         assert_eq!(evicted, vec![12, 20]);
         assert!(cache.contains_block(10) && cache.contains_block(11));
-        assert_eq!(cache.num_evictable(in_use), 0);
-        assert_eq!(cache.evict(10, in_use), Vec::<u32>::new());
+        assert_eq!(cache.num_evictable(), 0);
+        assert_eq!(cache.evict(10), Vec::<u32>::new());
         // Once its sequence lets go, the leaf and then its parent are evictable again.
-        assert_eq!(cache.num_evictable(all), 2);
-        assert_eq!(cache.evict(10, all), vec![11, 10]);
+        let_go(&mut cache, &[11]);
+        assert_eq!(cache.num_evictable(), 2);
+        cache.check_invariants();
+        assert_eq!(cache.evict(10), vec![11, 10]);
         cache.check_invariants();
     }
 
@@ -565,13 +637,14 @@ mod tests {
         let mut cache = RadixCache::new(2);
         cache.insert(0, &[1, 1, 2, 2], &[10, 11]);
         cache.insert(0, &[3, 3], &[12]);
+        let_go(&mut cache, &[10, 11, 12]);
         for _ in 0..10_000 {
             cache.match_prefix(0, &[1, 1, 2, 2]);
             cache.match_prefix(0, &[3, 3]);
         }
         assert!(cache.candidates.len() <= 2 * cache.num_cached_blocks() + 17);
         cache.check_invariants();
-        assert_eq!(cache.evict(3, all), vec![11, 10, 12]);
+        assert_eq!(cache.evict(3), vec![11, 10, 12]);
     }
 
     /// One sequence of the randomized test: its tokens, the blocks it holds (one allocator reference each,
@@ -603,8 +676,42 @@ mod tests {
     }
 
     impl World {
-        fn is_cached_only(allocator: &BlockAllocator) -> impl Fn(u32) -> bool + '_ {
-            |block| allocator.ref_count(block) == 1
+        /// Adds a holder to blocks in use and tells the cache, as the engine's pool does.
+        fn share(&mut self, blocks: &[u32]) {
+            self.allocator.share(blocks).expect("blocks in use");
+            for &block in blocks {
+                self.cache.set_held(block, true);
+            }
+        }
+
+        /// Drops a holder of each block and tells the cache of those only it holds now.
+        fn free(&mut self, blocks: &[u32]) {
+            self.allocator.free(blocks).expect("blocks held");
+            for &block in blocks {
+                if self.allocator.ref_count(block) == 1 {
+                    self.cache.set_held(block, false);
+                }
+            }
+        }
+
+        /// The evictable blocks counted the slow way, from the allocator's reference counts: the cached
+        /// blocks none of whose descendants (themselves included) a sequence holds.
+        fn num_evictable_by_ref_counts(&self) -> usize {
+            let nodes = &self.cache.nodes;
+            let mut is_pinned = vec![false; nodes.len()];
+            for (id, slot) in nodes.iter().enumerate() {
+                let Some(node) = slot else { continue };
+                let mut current = (self.allocator.ref_count(node.block) > 1).then_some(id);
+                while let Some(c) = current.filter(|&c| !is_pinned[c]) {
+                    is_pinned[c] = true;
+                    current = nodes[c].as_ref().and_then(|n| n.parent);
+                }
+            }
+            nodes
+                .iter()
+                .zip(&is_pinned)
+                .filter(|(slot, &pinned)| slot.is_some() && !pinned)
+                .count()
         }
 
         /// Allocates `num_blocks`, evicting unreferenced cached blocks first when the pool is short, as the
@@ -612,9 +719,7 @@ mod tests {
         fn allocate(&mut self, num_blocks: usize) -> Option<Vec<u32>> {
             let num_free = self.allocator.num_free_blocks() as usize;
             if num_free < num_blocks {
-                let evicted = self
-                    .cache
-                    .evict(num_blocks - num_free, Self::is_cached_only(&self.allocator));
+                let evicted = self.cache.evict(num_blocks - num_free);
                 self.allocator
                     .free(&evicted)
                     .expect("the cache held the evicted blocks");
@@ -653,11 +758,11 @@ mod tests {
             let hit = self.cache.match_prefix(salt, &tokens);
             self.check_match(salt, &tokens, &hit);
             self.stats.num_hit_tokens += hit.num_tokens;
-            self.allocator.share(&hit.blocks).expect("cached blocks are in use");
+            self.share(&hit.blocks);
             let num_blocks = tokens.len().div_ceil(self.block_size);
             let num_matched = hit.blocks.len();
             let Some(new_blocks) = self.allocate(num_blocks - num_matched) else {
-                self.allocator.free(&hit.blocks).expect("just shared");
+                self.free(&hit.blocks);
                 return;
             };
             let mut blocks = hit.blocks;
@@ -701,7 +806,7 @@ mod tests {
 
         fn release(&mut self, sequence: usize) {
             let sequence = self.sequences.swap_remove(sequence);
-            self.allocator.free(&sequence.blocks).expect("the sequence held them");
+            self.free(&sequence.blocks);
             for block in sequence.blocks {
                 if self.allocator.ref_count(block) == 0 {
                     self.contents.remove(&block);
@@ -710,7 +815,7 @@ mod tests {
         }
 
         fn evict(&mut self, num_blocks: usize) {
-            let evicted = self.cache.evict(num_blocks, Self::is_cached_only(&self.allocator));
+            let evicted = self.cache.evict(num_blocks);
             assert!(evicted.len() <= num_blocks);
             for &block in &evicted {
                 assert_eq!(self.allocator.ref_count(block), 1, "evicted block {block} is in use");
@@ -757,13 +862,19 @@ mod tests {
                 num_free + num_cached_only + num_in_use,
                 self.allocator.num_usable_blocks()
             );
-            let is_cached_only = Self::is_cached_only(&self.allocator);
-            let num_evictable = self.cache.num_evictable(&is_cached_only);
+            let num_evictable = self.cache.num_evictable();
+            assert_eq!(num_evictable, self.num_evictable_by_ref_counts());
             assert!(num_evictable <= num_cached_only as usize);
-            assert_eq!(
-                self.cache.clone().evict(usize::MAX, &is_cached_only).len(),
-                num_evictable
-            );
+            assert_eq!(self.cache.clone().evict(usize::MAX).len(), num_evictable);
+            for block in 1..=self.allocator.num_usable_blocks() {
+                if let Some(is_held) = self.cache.is_held(block) {
+                    assert_eq!(
+                        is_held,
+                        self.allocator.ref_count(block) > 1,
+                        "block {block}: hold out of sync"
+                    );
+                }
+            }
         }
     }
 
