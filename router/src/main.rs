@@ -1,19 +1,6 @@
 //! rill-router: connects to the model shards, sizes the KV pool, starts the engine loop, serves HTTP.
 //! Usually started by `launcher.py`; run `rill-router --help` for the flags.
 
-mod api;
-mod chat_template;
-mod config;
-mod engine;
-mod http;
-mod kv;
-mod metrics;
-mod scheduler;
-mod shard;
-mod telemetry;
-mod text;
-mod validation;
-
 use std::{
     collections::HashSet,
     sync::{
@@ -27,12 +14,16 @@ use anyhow::Context;
 use clap::Parser;
 use tokio::sync::{mpsc, Semaphore};
 
-use crate::{
+use rill_router::{
+    chat_template,
     config::{Args, Config, Scheduling},
     engine::{EngineConfig, EngineCore, EngineHandle, PreemptionConfig},
+    http,
     kv::KvPool,
+    metrics,
     scheduler::{BatchingMode, SchedulerConfig},
     shard::{pb, GrpcShards, ShardClient},
+    telemetry,
     validation::Validator,
 };
 
