@@ -3,8 +3,8 @@
 //! saturation (queue depth, running sequences, free KV blocks), histograms for latencies and step sizes.
 
 use prometheus::{
-    exponential_buckets, Counter, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts,
-    Registry, TextEncoder,
+    core::Collector, exponential_buckets, Counter, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec,
+    IntGauge, Opts, Registry, TextEncoder,
 };
 
 /// Request outcomes, the label values of `rill_requests_total`.
@@ -76,36 +76,29 @@ pub struct Metrics {
     pub last_progress_ms: IntGauge,
 }
 
-fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let histogram = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)).expect("valid histogram");
+/// Registers `metric` under its (unique) name and returns it.
+fn register<M: Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
     registry
-        .register(Box::new(histogram.clone()))
+        .register(Box::new(metric.clone()))
         .expect("metric names are unique");
-    histogram
+    metric
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+    let opts = HistogramOpts::new(name, help).buckets(buckets);
+    register(registry, Histogram::with_opts(opts).expect("valid histogram"))
 }
 
 fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
-    let gauge = IntGauge::new(name, help).expect("valid gauge");
-    registry
-        .register(Box::new(gauge.clone()))
-        .expect("metric names are unique");
-    gauge
+    register(registry, IntGauge::new(name, help).expect("valid gauge"))
 }
 
 fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
-    let counter = IntCounter::new(name, help).expect("valid counter");
-    registry
-        .register(Box::new(counter.clone()))
-        .expect("metric names are unique");
-    counter
+    register(registry, IntCounter::new(name, help).expect("valid counter"))
 }
 
 fn float_counter(registry: &Registry, name: &str, help: &str) -> Counter {
-    let counter = Counter::new(name, help).expect("valid counter");
-    registry
-        .register(Box::new(counter.clone()))
-        .expect("metric names are unique");
-    counter
+    register(registry, Counter::new(name, help).expect("valid counter"))
 }
 
 impl Default for Metrics {
@@ -117,17 +110,17 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "rill_requests_total",
-                "Requests by outcome: success, invalid, overloaded, cancelled, failed",
-            ),
-            &["outcome"],
-        )
-        .expect("valid counter");
-        registry
-            .register(Box::new(requests.clone()))
-            .expect("metric names are unique");
+        let requests = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "rill_requests_total",
+                    "Requests by outcome: success, invalid, overloaded, cancelled, failed",
+                ),
+                &["outcome"],
+            )
+            .expect("valid counter"),
+        );
         // 1 ms .. ~33 s, and 1 .. 32k tokens.
         let seconds = exponential_buckets(0.001, 2.0, 16).expect("valid buckets");
         let tokens = exponential_buckets(1.0, 2.0, 16).expect("valid buckets");
@@ -169,17 +162,17 @@ impl Metrics {
             ),
             generated_tokens: counter(&registry, "rill_generated_tokens_total", "Tokens generated"),
             preemptions: {
-                let preemptions = IntCounterVec::new(
-                    Opts::new(
-                        "rill_preemptions_total",
-                        "Sequences preempted to free KV blocks, by mode: recompute or swap",
-                    ),
-                    &["mode"],
-                )
-                .expect("valid counter");
-                registry
-                    .register(Box::new(preemptions.clone()))
-                    .expect("metric names are unique");
+                let preemptions = register(
+                    &registry,
+                    IntCounterVec::new(
+                        Opts::new(
+                            "rill_preemptions_total",
+                            "Sequences preempted to free KV blocks, by mode: recompute or swap",
+                        ),
+                        &["mode"],
+                    )
+                    .expect("valid counter"),
+                );
                 for mode in ["recompute", "swap"] {
                     preemptions.with_label_values(&[mode]);
                 }
