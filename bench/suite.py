@@ -234,10 +234,10 @@ def hit_rate(before: dict[str, float], after: dict[str, float]) -> float:
 
 def zero_hit_rounds(args: argparse.Namespace, off: Server, on: Server, workload: list[str]) -> dict[str, Any]:
     """The cost of the cache at a 0% hit rate: `--rounds` rounds of random prompts, each round with new
-    prompts (seed + round, so the cache never holds them) sent to both servers one after the other, the
-    order alternating between rounds. Reports each round's throughput ratio (on/off), their median, the
-    pooled ratio and the router's planning time per step on both sides: the cache's own work, free of the
-    model forward's noise."""
+    prompts (seeded `--seed` + 1000 + round, so the cache never holds them) sent to both servers one after
+    the other, the order alternating between rounds. Reports each round's throughput ratio (on/off), their
+    median, the pooled ratio and the router's planning time per step on both sides: the cache's own work,
+    free of the model forward's noise."""
     servers = {"off": off, "on": on}
     before = {side: metrics(server) for side, server in servers.items()}
     tokens = dict.fromkeys(servers, 0.0)
@@ -292,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     result = SUITES[args.suite](args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
