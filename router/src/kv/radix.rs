@@ -81,6 +81,7 @@ pub struct RadixCache {
     roots: HashMap<u64, HashMap<Arc<[u32]>, NodeId>>,
     /// Which node holds each block id (indexed by block id; grown on demand).
     node_of_block: Vec<Option<NodeId>>,
+    /// Live nodes, i.e. cached blocks.
     num_cached_blocks: usize,
     /// Nodes that are pinned (see [`Node::is_pinned`]).
     num_pinned: usize,
@@ -146,8 +147,9 @@ impl RadixCache {
     /// block, are ignored). Where the tree already has a node for a block's tokens it is kept, whatever its
     /// block id (another sequence computed the same prefix first); elsewhere a node is created for the
     /// given block, held (the inserting sequence holds it). Returns the ids newly added, in path order: the
-    /// caller shares exactly those with the allocator. Inserting a path already cached adds nothing. A block already cached at another place
-    /// (a caller bug) is never cached twice: insertion stops there. Marks the whole path as recently used.
+    /// caller shares exactly those with the allocator. Inserting a path already cached adds nothing. A
+    /// block already cached at another place (a caller bug) is never cached twice: insertion stops there.
+    /// Marks the whole path as recently used.
     ///
     /// Panics if `blocks` has fewer than `tokens.len() / block_size` entries.
     pub fn insert(&mut self, salt: u64, tokens: &[u32], blocks: &[u32]) -> Vec<u32> {
