@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="repeat the pair this many times, alternating the order (ab, ba, ab, ...) to even "
         "out drift; records are pooled per side (default: %(default)s)",
     )
+    compare.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="round r is seeded --seed + r: both sides get the same prompts within a round, never a "
+        "round's prompts again, so a prefix cache cannot serve a later round from an earlier one",
+    )
     _add_soak_parser(commands)
     for sub, is_rate_flag in ((run, True), (sweep, False), (compare, True)):
         _add_target_flags(sub)
@@ -402,9 +408,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
     targets = {"a": _target(args, args.a, args.a_api), "b": _target(args, args.b, args.b_api)}
     arrivals = _arrivals(args)
     pooled: dict[str, list[RunResult]] = {"a": [], "b": []}
+    round_ratios = []
     for round_index in range(args.rounds):
+        seed = args.seed + round_index if args.fresh_prompts else args.seed
+        round_args = argparse.Namespace(**{**vars(args), "seed": seed})
+        throughput = {}
         for side in "ab" if round_index % 2 == 0 else "ba":
-            pooled[side].append(_run(args, targets[side], arrivals))
+            result = _run(round_args, targets[side], arrivals)
+            pooled[side].append(result)
+            throughput[side] = summarize(result.records, result.duration_s, result.num_planned)
+        round_ratios.append(ratios(throughput["a"], throughput["b"])["output_tokens_per_s"])
     summaries, sides = {}, {}
     for side, results in pooled.items():
         records = _records_of(results)
@@ -418,9 +431,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(report.format_summary(_title(args, targets[side], arrivals), summaries[side]), end="\n\n")
     ratio = ratios(summaries["a"], summaries["b"])
     print(f"compare (back to back, {args.rounds} round(s); ratios are b/a)")
-    print(report.format_compare(targets["a"].name, targets["b"].name, summaries["a"], summaries["b"], ratio))
+    names = targets["a"].name, targets["b"].name
+    print(report.format_compare(*names, summaries["a"], summaries["b"], ratio, round_ratios))
     if args.json:
-        report.write_json(args.json, "compare", _config(args), {**sides, "ratios": ratio})
+        body = {**sides, "ratios": ratio, "round_ratios": round_ratios}
+        report.write_json(args.json, "compare", _config(args), body)
     if args.plot:
         from bench import plots  # matplotlib loads only when plots are asked for
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,14 @@ def format_sweep(rows: list[tuple[float, dict[str, Any]]]) -> str:
 
 
 def format_compare(
-    name_a: str, name_b: str, a: dict[str, Any], b: dict[str, Any], ratio: dict[str, float | None]
+    name_a: str,
+    name_b: str,
+    a: dict[str, Any],
+    b: dict[str, Any],
+    ratio: dict[str, float | None],
+    round_ratios: Sequence[float | None] = (),
 ) -> str:
-    """The figures of both sides and b/a."""
+    """The figures of both sides and b/a; with more than one round, b/a of output tokens/s in each."""
     width = max(14, len(name_a) + 2, len(name_b) + 2)
     lines = [f"  {'':<18}{'a: ' + name_a:>{width}}{'b: ' + name_b:>{width}}{'b/a':>10}"]
     for label, key, percentile in RATIO_FIGURES:
@@ -90,6 +96,8 @@ def format_compare(
             f"{_number(figure(b, key, percentile)):>{width}}{_number(ratio[name], 3):>10}"
         )
     lines.append(f"  {'errors':<18}{a['num_errors']:>{width}}{b['num_errors']:>{width}}")
+    if len(round_ratios) > 1:
+        lines.append("  output tokens/s b/a by round: " + ", ".join(_number(r, 3) for r in round_ratios))
     return "\n".join(lines)
 
 

@@ -113,8 +113,10 @@ def bench(args: argparse.Namespace, *argv: str, seed: int | None = None) -> dict
     return dict(json.loads(path.read_text()))
 
 
-def compare(args: argparse.Namespace, a: Server, b: Server, *argv: str) -> dict[str, Any]:
-    return bench(args, "compare", "--a", f"a={a.url}", "--b", f"b={b.url}", "--no-progress", *argv)
+def compare(
+    args: argparse.Namespace, a: Server, b: Server, *argv: str, seed: int | None = None
+) -> dict[str, Any]:
+    return bench(args, "compare", "--a", f"a={a.url}", "--b", f"b={b.url}", "--no-progress", *argv, seed=seed)
 
 
 def ratio(value: float | None) -> str:
@@ -233,35 +235,21 @@ def hit_rate(before: dict[str, float], after: dict[str, float]) -> float:
 
 
 def zero_hit_rounds(args: argparse.Namespace, off: Server, on: Server, workload: list[str]) -> dict[str, Any]:
-    """The cost of the cache at a 0% hit rate: `--rounds` rounds of random prompts, each round with new
-    prompts (seeded `--seed` + 1000 + round, so the cache never holds them) sent to both servers one after
-    the other, the order alternating between rounds. Reports each round's throughput ratio (on/off), their
-    median, the pooled ratio and the router's planning time per step on both sides: the cache's own work,
-    free of the model forward's noise."""
+    """The cost of the cache at a 0% hit rate: `--rounds` rounds of random prompts against both servers,
+    the order alternating, new prompts each round (`compare --fresh-prompts`, from `--seed` + 1000, so the
+    cache never holds them). Reports each round's throughput ratio (on/off), their median, the pooled
+    ratio and the router's planning time per step on both sides: the cache's own work, free of the model
+    forward's noise."""
     servers = {"off": off, "on": on}
     before = {side: metrics(server) for side, server in servers.items()}
-    tokens = dict.fromkeys(servers, 0.0)
-    seconds = dict.fromkeys(servers, 0.0)
-    round_ratios = []
-    for round_index in range(args.rounds):
-        throughput = {}
-        for side in ("off", "on") if round_index % 2 == 0 else ("on", "off"):
-            summary = bench(args, "run", "--url", servers[side].url, "--no-progress", "--workload", "random",
-                            "--num-requests", str(args.num_requests), *workload,
-                            seed=args.seed + 1000 + round_index)["run"]["summary"]  # fmt: skip
-            tokens[side] += summary["num_output_tokens"]
-            seconds[side] += summary["duration_s"]
-            throughput[side] = summary["output_tokens_per_s"]
-        round_ratios.append(throughput["on"] / throughput["off"])
-        print(
-            f"[suite] random round {round_index + 1}/{args.rounds}: on/off {round_ratios[-1]:.3f}", flush=True
-        )
+    size = ["--workload", "random", "--num-requests", str(args.num_requests), "--rounds", str(args.rounds)]
+    report = compare(args, off, on, *size, *workload, "--fresh-prompts", seed=args.seed + 1000)
     after = {side: metrics(server) for side, server in servers.items()}
     evicted = "rill_prefix_cache_evicted_blocks_total"
     return {
-        "round_ratios": round_ratios,
-        "median_ratio": float(statistics.median(round_ratios)),
-        "pooled_ratio": (tokens["on"] / seconds["on"]) / (tokens["off"] / seconds["off"]),
+        "round_ratios": report["round_ratios"],
+        "median_ratio": float(statistics.median(report["round_ratios"])),
+        "pooled_ratio": report["ratios"]["output_tokens_per_s"],
         "hit_rate": hit_rate(before["on"], after["on"]),
         "evicted_blocks": after["on"][evicted] - before["on"][evicted],
         "engine": {side: engine_seconds(before[side], after[side]) for side in servers},

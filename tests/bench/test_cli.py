@@ -127,6 +127,22 @@ def test_compare_rounds_alternate_and_pool(
     assert len(a.bodies) == len(b.bodies) == 12
 
 
+def test_compare_fresh_prompts_give_each_round_new_prompts_and_its_own_ratio(
+    fake_server: StartFake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = fake_server(ttft_s=0.0, itl_s=0.0), fake_server(ttft_s=0.0, itl_s=0.0)
+    argv = ["compare", "--a", a.url, "--b", b.url, "--concurrency", "2", "--rounds", "2", "--fresh-prompts",
+            "--json", str(tmp_path / "cmp.json"), *fast()]  # fmt: skip
+    assert main(argv) == 0
+    assert "output tokens/s b/a by round" in capsys.readouterr().out
+    rounds_a = [{body["inputs"] for body in a.bodies[i : i + 6]} for i in (0, 6)]
+    rounds_b = [{body["inputs"] for body in b.bodies[i : i + 6]} for i in (0, 6)]
+    assert rounds_a == rounds_b, "both sides get the same prompts in a round"
+    assert rounds_a[0].isdisjoint(rounds_a[1]), "no round repeats an earlier one's prompts"
+    round_ratios = json.loads((tmp_path / "cmp.json").read_text())["round_ratios"]
+    assert len(round_ratios) == 2 and all(ratio > 0 for ratio in round_ratios)
+
+
 def test_bad_flags_get_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--workload", "bursts", "--concurrency", "2", *fast()]) == 2
     assert "bursts need --request-rate" in capsys.readouterr().err
