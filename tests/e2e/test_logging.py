@@ -20,8 +20,6 @@ PYTHON_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO
 PROGRESS_BAR = re.compile(r"\d+%\|")  # the shard's weight-loading bar (tqdm)
 
 
-
-
 def test_json_logs_carry_the_request_id(tiny_model: Path, tmp_path: Path) -> None:
     server = start_server(tiny_model, tmp_path, "--json-logs")
     try:

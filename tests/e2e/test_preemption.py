@@ -29,8 +29,6 @@ SWAPPED_IN = "rill_swapped_in_blocks_total"
 ROOMY_POOL = ("--max-batch-total-tokens", "8192", "--preemption-mode", "recompute")
 
 
-
-
 def stream(server: Server, prompt: str) -> tuple[list[int], str]:
     """Streams one greedy generation; returns its token ids and the final text, checking that the streamed
     tokens make up that text exactly once each."""

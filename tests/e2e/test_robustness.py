@@ -46,10 +46,6 @@ BASE_ARGS = (
 PROMPT = "The river said"
 
 
-
-
-
-
 def metric(server_url: str, name: str, **labels: str) -> float:
     """One sample of /metrics (0 when the series does not exist yet)."""
     text = requests.get(f"{server_url}/metrics", timeout=10).text

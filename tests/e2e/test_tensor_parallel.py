@@ -25,8 +25,6 @@ PROMPTS = [f"{subject} {verb}" for subject in SUBJECTS for verb in VERBS]
 SERVER_ARGS = ("--max-batch-tokens", "256", "--max-batch-total-tokens", "8192", "--max-batch-size", "16")
 
 
-
-
 def greedy_outputs(server: Server, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
     def one(prompt: str) -> list[int]:
         response = requests.post(

@@ -122,8 +122,6 @@ def collector() -> Iterator[Collector]:
     collector.close()
 
 
-
-
 def test_router_and_shard_spans_form_one_trace(
     tiny_model: Path, tmp_path: Path, collector: Collector
 ) -> None:
