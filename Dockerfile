@@ -15,7 +15,7 @@ ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG RUST_VERSION=1.95.0
-ARG MATURIN_VERSION=1.11.5
+ARG MATURIN_VERSION=1.16.0
 # Build stage only, never shipped: take the release's current curl and compiler rather than pin them.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -33,11 +33,10 @@ COPY router/Cargo.toml router/Cargo.toml
 RUN mkdir -p router/src router/benches && echo 'fn main() {}' > router/src/main.rs \
     && cp router/src/main.rs router/benches/kv_bookkeeping.rs \
     && cargo fetch --locked && rm -rf router/src router/benches
-COPY pyproject.toml README.md launcher.py ./
+COPY pyproject.toml README.md ./
 COPY proto proto
 COPY router router
-COPY shard shard
-COPY kernels kernels
+COPY python python
 RUN maturin build --release --locked --out /wheels
 
 # ---- runtime: Python + CUDA-enabled torch + the wheel; no compiler, no Rust, no sources -----------------
@@ -85,5 +84,5 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('RILL_PORT', '8080'), timeout=4)"]
 # SIGTERM: the launcher stops accepting, lets requests in flight finish (up to RILL_SHUTDOWN_TIMEOUT), exits 0.
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["tini", "--", "python", "-m", "launcher"]
+ENTRYPOINT ["tini", "--", "python", "-m", "rill"]
 CMD []

@@ -54,10 +54,10 @@ def _get(url: str) -> str:
 
 @contextmanager
 def rill(args: argparse.Namespace, name: str, *flags: str) -> Iterator[Server]:
-    """A Rill server started with `launcher.py` and these extra flags; stopped with SIGTERM on exit."""
+    """A Rill server started with `python -m rill` and these extra flags; stopped with SIGTERM on exit."""
     port = _free_port()
     log = Path(tempfile.gettempdir()) / f"rill-bench-{name}-{port}.log"
-    command = [sys.executable, str(ROOT / "launcher.py"), "--port", str(port), "--device", args.device,
+    command = [sys.executable, "-m", "rill", "--port", str(port), "--device", args.device,
                "--num-threads", str(args.num_threads), *flags]  # fmt: skip
     if args.model_id:
         command += ["--model-id", str(args.model_id)]

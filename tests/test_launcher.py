@@ -1,4 +1,4 @@
-"""Tests of launcher.py: flag parsing, the commands it builds, supervision with stand-in children, and
+"""Tests of rill/launcher.py: flag parsing, the commands it builds, supervision with stand-in children, and
 (once `rill-router` is built) the real launcher with the default model."""
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-import launcher
-from launcher import ChildExited, LaunchConfig, ShutdownRequested, Supervisor, parse_args
+from rill import launcher
+from rill.launcher import ChildExited, LaunchConfig, ShutdownRequested, Supervisor, parse_args
 
 ROUTER_BIN = Path("/bin/true")
 
@@ -207,7 +206,7 @@ def test_router_command(model_dir: Path) -> None:
 def test_shard_command(model_dir: Path) -> None:
     config = parse(model_dir, "--num-threads", "2", "--kv-block-size", "32")
     assert launcher.shard_command(config, Path("/run/x/shard-0.sock"), 0) == [
-        sys.executable, "-m", "shard.server",
+        sys.executable, "-m", "rill.shard.server",
         "--model-id", str(model_dir),
         "--socket", "/run/x/shard-0.sock",
         "--device", "cpu",
@@ -327,14 +326,14 @@ requires_router = pytest.mark.skipif(
 
 
 class RunningLauncher:
-    """`python launcher.py` on a free port, its output collected by a thread."""
+    """`python -m rill` on a free port, its output collected by a thread."""
 
     def __init__(self) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(launcher.__file__)), "--device", "cpu", "--port", str(self.port)],
+            [sys.executable, "-m", "rill", "--device", "cpu", "--port", str(self.port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

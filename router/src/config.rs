@@ -6,7 +6,7 @@ use clap::{Parser, ValueEnum};
 
 use crate::scheduler::{KvAdmission, PreemptionMode};
 
-/// rill-router: Rill's HTTP server, scheduler and KV block owner. Normally started by `launcher.py`,
+/// rill-router: Rill's HTTP server, scheduler and KV block owner. Normally started by the launcher (`python -m rill`),
 /// which starts the shards first; the router connects to them, sizes the KV pool (Warmup) and serves.
 #[derive(Debug, Parser)]
 #[command(version, about)]

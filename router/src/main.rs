@@ -1,5 +1,5 @@
 //! rill-router: connects to the model shards, sizes the KV pool, starts the engine loop, serves HTTP.
-//! Usually started by `launcher.py`; run `rill-router --help` for the flags.
+//! Usually started by the launcher (`python -m rill`); run `rill-router --help` for the flags.
 
 use std::{
     collections::HashSet,

@@ -1,4 +1,4 @@
-"""Fixtures that start Rill the way a user does: `python launcher.py` with real shards, router and model."""
+"""Fixtures that start Rill the way a user does: `python -m rill` with real shards, router and model."""
 
 from __future__ import annotations
 
@@ -56,11 +56,17 @@ def start_server(model_path: Path, tmp_dir: Path, *extra_args: str, timeout_s: f
     if "RILL_ROUTER_BIN" in env:
         extra_args = (*extra_args, "--router-bin", env["RILL_ROUTER_BIN"])
     command = [
-        sys.executable, str(ROOT / "launcher.py"),
-        "--model-id", str(model_path),
-        "--port", str(port),
-        "--device", "cpu",
-        "--num-threads", "1",
+        sys.executable,
+        "-m",
+        "rill",
+        "--model-id",
+        str(model_path),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--num-threads",
+        "1",
         *extra_args,
     ]
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process in stop_server
@@ -94,7 +100,7 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    from shard.default_model import ensure_default_model
+    from rill.shard.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -120,10 +126,14 @@ def server(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """The default model behind a small batch-token budget, so long prompts are prefilled in chunks."""
     tmp_dir = tmp_path_factory.mktemp("server")
     srv = start_server(
-        default_model, tmp_dir,
-        "--max-batch-tokens", "256",
-        "--max-batch-total-tokens", "40000",
-        "--max-batch-size", "32",
+        default_model,
+        tmp_dir,
+        "--max-batch-tokens",
+        "256",
+        "--max-batch-total-tokens",
+        "40000",
+        "--max-batch-size",
+        "32",
     )
     yield srv
     stop_server(srv)

@@ -53,8 +53,14 @@ def test_completions_with_the_openai_client(client: openai.OpenAI, model_name: s
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     pieces = []
     final_usage = None
-    for chunk in client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
-                                           stream=True, stream_options={"include_usage": True}):
+    for chunk in client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices:
             pieces.append(chunk.choices[0].text)
         if chunk.usage is not None:
@@ -64,8 +70,16 @@ def test_completions_with_the_openai_client(client: openai.OpenAI, model_name: s
 
 
 def test_chat_with_the_openai_client(client: openai.OpenAI, model_name: str) -> None:
-    chat = client.chat.completions.create(model=model_name, messages=CONVERSATIONS[1], max_tokens=16,
-                                          temperature=0, logprobs=True, top_logprobs=3, n=2, seed=7)
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=CONVERSATIONS[1],
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        n=2,
+        seed=7,
+    )
     assert chat.object == "chat.completion"
     assert len(chat.choices) == 2
     assert chat.choices[0].message.role == "assistant"
@@ -79,8 +93,9 @@ def test_chat_with_the_openai_client(client: openai.OpenAI, model_name: str) -> 
         assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-5)  # greedy picks the top
     assert chat.usage.prompt_tokens > 0
     streamed = ""
-    for chunk in client.chat.completions.create(model=model_name, messages=CONVERSATIONS[1], max_tokens=16,
-                                                temperature=0, stream=True):
+    for chunk in client.chat.completions.create(
+        model=model_name, messages=CONVERSATIONS[1], max_tokens=16, temperature=0, stream=True
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             streamed += chunk.choices[0].delta.content
     assert streamed == chat.choices[0].message.content
@@ -99,8 +114,9 @@ def test_openai_errors(client: openai.OpenAI, server: Server) -> None:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
     assert missing.value.body["code"] == "model_not_found"
     with pytest.raises(openai.UnprocessableEntityError) as bad:
-        client.completions.create(model=server.info()["served_model_name"], prompt="x", max_tokens=1,
-                                  temperature=-1)
+        client.completions.create(
+            model=server.info()["served_model_name"], prompt="x", max_tokens=1, temperature=-1
+        )
     assert bad.value.body["param"] == "temperature"
     response = requests.post(f"{server.url}/v1/completions", json={"prompt": "x", "best_of": 3}, timeout=30)
     assert response.status_code == 422
@@ -124,7 +140,7 @@ def test_logprobs_match_the_model(server: Server, hf_model) -> None:  # noqa: F8
     generated = [t["id"] for t in result["details"]["tokens"]]
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + generated])).logits[0].float()
-    reference = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1: -1]
+    reference = torch.log_softmax(logits, dim=-1)[len(prompt_ids) - 1 : -1]
     for position, token in enumerate(result["details"]["tokens"]):
         assert token["logprob"] == pytest.approx(reference[position, token["id"]].item(), abs=1e-3)
         top = result["details"]["top_tokens"][position]
@@ -144,7 +160,7 @@ def spanning_stop(server: Server) -> tuple[str, str]:
         nxt = texts[i + 1]
         if len(text) >= 2 and len(nxt) >= 2 and text.strip() and nxt.strip():
             start = offset + len(text) - 1
-            stop = full[start: start + 2]
+            stop = full[start : start + 2]
             if full.index(stop) == start:
                 return full, stop
         offset += len(text)
@@ -166,13 +182,15 @@ def test_stop_strings_never_leak_in_any_path(server: Server, client: openai.Open
         assert expected.startswith(streamed), (streamed, stop)
     assert streamed == expected
     # OpenAI, not streamed and streamed.
-    completion = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0,
-                                           stop=[stop])
+    completion = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop]
+    )
     assert completion.choices[0].text == expected
     assert completion.choices[0].finish_reason == "stop"
     streamed = ""
-    for chunk in client.completions.create(model=model_name, prompt=PROMPT, max_tokens=24, temperature=0,
-                                           stop=[stop], stream=True):
+    for chunk in client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], stream=True
+    ):
         if chunk.choices:
             streamed += chunk.choices[0].text
             assert expected.startswith(streamed), (streamed, stop)
@@ -184,8 +202,10 @@ def test_a_seed_gives_the_same_text_among_16_others(server: Server) -> None:
     alone = generate(server, "My favourite animal is", **params)["generated_text"]
     others = [f"Question {i}: what is {i} plus {i}?" for i in range(16)]
     with ThreadPoolExecutor(17) as pool:
-        crowd = [pool.submit(generate, server, p, max_new_tokens=12, do_sample=True, seed=i)
-                 for i, p in enumerate(others)]
+        crowd = [
+            pool.submit(generate, server, p, max_new_tokens=12, do_sample=True, seed=i)
+            for i, p in enumerate(others)
+        ]
         together = pool.submit(generate, server, "My favourite animal is", **params)
         assert together.result()["generated_text"] == alone
         assert all(f.result()["details"]["generated_tokens"] > 0 for f in crowd)

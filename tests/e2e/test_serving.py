@@ -43,7 +43,7 @@ def stream(server: Server, inputs: str, **parameters: object) -> list[dict]:
     events = []
     for line in response.iter_lines(decode_unicode=False):
         if line.startswith(b"data:"):
-            events.append(json.loads(line[len(b"data:"):].decode("utf-8")))
+            events.append(json.loads(line[len(b"data:") :].decode("utf-8")))
     return events
 
 
@@ -71,7 +71,7 @@ def hf_greedy(hf_model, prompt: str, max_new_tokens: int) -> list[int]:
             do_sample=False,
             attention_mask=torch.ones_like(input_ids),
         )
-    return output[0, input_ids.shape[1]:].tolist()
+    return output[0, input_ids.shape[1] :].tolist()
 
 
 def test_greedy_matches_transformers(server: Server, hf_model) -> None:
@@ -108,8 +108,12 @@ def test_batching_changes_nothing(server: Server, hf_model) -> None:
     alone = [token_ids(generate(server, p, max_new_tokens=n)) for p, n in zip(prompts, max_new, strict=True)]
     server.wait_idle()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(lambda pn: token_ids(generate(server, pn[0], max_new_tokens=pn[1])),
-                                 zip(prompts, max_new, strict=True)))
+        together = list(
+            pool.map(
+                lambda pn: token_ids(generate(server, pn[0], max_new_tokens=pn[1])),
+                zip(prompts, max_new, strict=True),
+            )
+        )
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
         assert a == b, f"prompt {i} ({len(tokenizer(prompts[i]).input_ids)} tokens): alone {a} != batched {b}"
     info = server.wait_idle()
@@ -171,8 +175,14 @@ def test_stop_sequence_and_eos_end_generation(server: Server) -> None:
 
 
 def test_sampling_with_a_seed_is_reproducible(server: Server) -> None:
-    params = {"max_new_tokens": 16, "do_sample": True, "temperature": 0.9, "top_p": 0.95, "top_k": 50,
-              "seed": 1234}
+    params = {
+        "max_new_tokens": 16,
+        "do_sample": True,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "top_k": 50,
+        "seed": 1234,
+    }
     first = generate(server, PROMPT, **params)
     with ThreadPoolExecutor(4) as pool:
         others = list(pool.map(lambda _: generate(server, "Tell me a joke.", max_new_tokens=8), range(3)))
@@ -197,8 +207,9 @@ def test_bad_requests_get_clear_errors(server: Server) -> None:
         error = response.json()
         assert field in error["error"], (body, error)
         assert error["error_type"] == "validation"
-    response = requests.post(f"{server.url}/generate", data=b"{not json", timeout=30,
-                             headers={"content-type": "application/json"})
+    response = requests.post(
+        f"{server.url}/generate", data=b"{not json", timeout=30, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     assert "error" in response.json()
     assert generate(server, PROMPT, max_new_tokens=2)["details"]["generated_tokens"] == 2

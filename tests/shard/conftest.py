@@ -10,11 +10,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
-
-from shard.batch import ForwardRequest, SequenceChunk
-from shard.config import ShardConfig
-from shard.runner import ModelRunner
-from shard.sampling import SamplingParams
+from rill.shard.batch import ForwardRequest, SequenceChunk
+from rill.shard.config import ShardConfig
+from rill.shard.runner import ModelRunner
+from rill.shard.sampling import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shard.batch import BatchLimits, BatchState, SequenceChunk
-from shard.kv_cache import KVCache
-from shard.sampling import SamplingParams
+from rill.shard.batch import BatchLimits, BatchState, SequenceChunk
+from rill.shard.kv_cache import KVCache
+from rill.shard.sampling import SamplingParams
 
 LIMITS = BatchLimits(vocab_size=100, max_position_embeddings=64, block_size=4, num_blocks=10)
 CPU = torch.device("cpu")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from shard.layers import attention
-from shard.runner import ModelRunner
+from rill.shard.layers import attention
+from rill.shard.runner import ModelRunner
 
 from .conftest import chunk, logits_of
 

@@ -2,21 +2,21 @@
 
 CPU tests always run: the dispatch picks the references on the CPU, the fused residual + RMSNorm equals the
 unfused form bitwise, the decode split heuristic. GPU tests are marked `gpu` and skipped without a CUDA device
-(and nvcc); kernels/gpu_check.py is the full sweep with timings.
+(and nvcc); bench/gpu_check.py is the full sweep with timings.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from rill import kernels
+from rill.launcher import shard_command
+from rill.shard.config import ShardConfig
+from rill.shard.layers.norm import RMSNorm
+from rill.shard.layers.rotary import RotaryEmbedding
+from rill.shard.server import parse_args
 
-import kernels
-from kernels.testing import make_case, max_relative_error, run_attention, run_attention_poisoned
-from launcher import shard_command
-from shard.config import ShardConfig
-from shard.layers.norm import RMSNorm
-from shard.layers.rotary import RotaryEmbedding
-from shard.server import parse_args
+from bench.kernel_cases import make_case, max_relative_error, run_attention, run_attention_poisoned
 
 requires_gpu = pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and nvcc")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -45,7 +45,7 @@ def test_attention_backend_flag_reaches_the_shard(tmp_path):
 
 
 def test_launcher_passes_the_backend(monkeypatch, tmp_path):
-    import launcher
+    from rill import launcher
 
     (tmp_path / "model").mkdir()
     router = tmp_path / "rill-router"
@@ -126,7 +126,7 @@ def test_prefill_attention_matches_reference(dtype, head_dim, num_heads, num_kv_
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_and_rotary_match_reference(dtype):
-    from kernels.testing import ForwardContext, forward_context  # the kernels switch on inside a context
+    from bench.kernel_cases import ForwardContext, forward_context  # the kernels switch on inside a context
 
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5).to(dtype).cuda()

@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TypicalLogitsWarper
-
-from shard.batch import BatchLimits, BatchState, ForwardRequest
-from shard.runner import ModelRunner
-from shard.sampling import (
+from rill.shard.batch import BatchLimits, BatchState, ForwardRequest
+from rill.shard.runner import ModelRunner
+from rill.shard.sampling import (
     SamplingBatch,
     SamplingParams,
     apply_typical_p,
@@ -25,6 +23,7 @@ from shard.sampling import (
     sample,
     warp_logits,
 )
+from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TypicalLogitsWarper
 
 from .conftest import chunk, hf_model, logits_of
 

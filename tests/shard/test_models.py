@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shard.layers.attention import ForwardContext, forward_context
-from shard.runner import ModelRunner
+from rill.shard.layers.attention import ForwardContext, forward_context
+from rill.shard.runner import ModelRunner
 
 from .conftest import chunk, hf_model, logits_of, make_runner, rewrite_config_transformers4, save_tiny_model
 

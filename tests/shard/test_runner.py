@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shard import runner as runner_module
-from shard.batch import ForwardRequest
-from shard.config import ShardConfig
-from shard.runner import ModelRunner, NotReadyError
+from rill.shard import runner as runner_module
+from rill.shard.batch import ForwardRequest
+from rill.shard.config import ShardConfig
+from rill.shard.runner import ModelRunner, NotReadyError
 
 from .conftest import chunk, hf_model, make_runner
 

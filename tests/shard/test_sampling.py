@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from shard.sampling import SamplingBatch, SamplingParams, apply_top_k_top_p, sample, uniform_noise
+from rill.shard.sampling import SamplingBatch, SamplingParams, apply_top_k_top_p, sample, uniform_noise
 
 CPU = torch.device("cpu")
 

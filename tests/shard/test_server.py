@@ -10,8 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
+from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 
 from .conftest import save_tiny_model
 from .test_runner import hf_greedy
@@ -36,7 +35,7 @@ def stub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             [
                 sys.executable,
                 "-m",
-                "shard.server",
+                "rill.shard.server",
                 "--model-id",
                 str(model_dir),
                 "--socket",

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shard.batch import BlockCopy, ForwardRequest
-from shard.config import ShardConfig
-from shard.kv_cache import KVCache
-from shard.runner import ModelRunner
+from rill.shard.batch import BlockCopy, ForwardRequest
+from rill.shard.config import ShardConfig
+from rill.shard.kv_cache import KVCache
+from rill.shard.runner import ModelRunner
 
 from .conftest import chunk
 

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_server_imports_no_opentelemetry_without_the_flag() -> None:
     code = (
-        "import sys, shard.server\n"
-        "config = shard.server.parse_args(['--model-id', '/m', '--socket', '/s'])\n"
+        "import sys, rill.shard.server\n"
+        "config = rill.shard.server.parse_args(['--model-id', '/m', '--socket', '/s'])\n"
         "assert config.otlp_endpoint is None\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('opentelemetry'))\n"
         "assert not loaded, loaded\n"
@@ -26,8 +26,7 @@ def test_the_server_imports_no_opentelemetry_without_the_flag() -> None:
 def test_forward_span_is_a_child_of_the_traceparent(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs the tracing extra")
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    import shard.telemetry
+    from rill.shard import telemetry
 
     memory = InMemorySpanExporter()
     endpoints = []
@@ -36,8 +35,8 @@ def test_forward_span_is_a_child_of_the_traceparent(monkeypatch: pytest.MonkeyPa
         endpoints.append(endpoint)
         return memory
 
-    monkeypatch.setattr(shard.telemetry, "OTLPSpanExporter", exporter)
-    tracer = shard.telemetry.ForwardTracer("http://collector:4318/", rank=1, world_size=2)
+    monkeypatch.setattr(telemetry, "OTLPSpanExporter", exporter)
+    tracer = telemetry.ForwardTracer("http://collector:4318/", rank=1, world_size=2)
     assert endpoints == ["http://collector:4318/v1/traces"]
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     metadata = [("traceparent", f"00-{trace_id}-{parent_id}-01"), ("bin-bin", b"\x00")]

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from shard import distributed
-from shard.batch import ForwardRequest
-from shard.config import ShardConfig
-from shard.models.llama import LlamaConfig, LlamaForCausalLM
-from shard.runner import ModelRunner
+from rill.shard import distributed
+from rill.shard.batch import ForwardRequest
+from rill.shard.config import ShardConfig
+from rill.shard.models.llama import LlamaConfig, LlamaForCausalLM
+from rill.shard.runner import ModelRunner
 
 from .conftest import chunk, make_runner, save_tiny_model
 

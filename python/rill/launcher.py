@@ -1,0 +1,509 @@
+"""Starts and supervises Rill: the model shards, then the Rust router in front of them.
+
+Run: python -m rill [flags]   (python -m rill --help lists them; each also reads RILL_<FLAG>)
+With no arguments it serves the built-in SmolLM2-135M-Instruct at http://127.0.0.1:8080.
+
+Sequence: parse flags once into a `LaunchConfig`; start one `python -m rill.shard.server` per rank on a unix
+socket in a private temp folder (with --num-shard N > 1 the N ranks form one torch.distributed group
+through a rendezvous file in that folder, rank r on cuda:r); wait until each answers the gRPC Health call;
+start `rill-router` (which calls Info and Warmup on the shards, then serves HTTP); wait until GET /health
+answers 200.
+Then supervise: if any child exits, stop the others (SIGTERM, SIGKILL after a grace period) and exit
+non-zero naming it; SIGINT/SIGTERM to the launcher stop everything and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+logger = logging.getLogger("rill.launcher")
+
+# A source checkout: python/rill/launcher.py -> the repository root, where `cargo build` leaves the router.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHARD_START_TIMEOUT_S = 600.0  # model loading on a busy CPU, or a first CUDA init, can take minutes
+ROUTER_START_TIMEOUT_S = 600.0  # includes the shards' warmup forward
+STOP_GRACE_S = 10.0
+POLL_INTERVAL_S = 0.1
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Every launcher flag, resolved (no `None` left): built once by `parse_args`, then passed explicitly."""
+
+    model_id: Path
+    hostname: str
+    port: int
+    num_shard: int
+    device: str
+    dtype: str
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_tokens: int
+    max_batch_total_tokens: int
+    max_batch_size: int
+    kv_block_size: int
+    max_concurrent_requests: int
+    max_waiting_requests: int
+    max_queue_time: int
+    scheduling: str
+    static_batch_wait_ms: int
+    target_itl_ms: float | None
+    served_model_name: str | None
+    shutdown_timeout: int
+    prefix_caching: bool
+    preemption_mode: str  # recompute, swap or auto
+    swap_space: float  # GiB of host memory per shard for swapped-out KV blocks
+    kv_admission: str  # incremental or reserve
+    max_body_bytes: int
+    api_key: str | None  # handed to the router through its environment, never on a command line
+    json_logs: bool
+    otlp_endpoint: str | None  # OpenTelemetry collector for the router's and the shards' spans
+    log_prompts: bool
+    restart_shards: bool
+    num_threads: int | None  # None: the shard keeps torch's default
+    attention_backend: str  # auto (cuda kernels on cuda, torch on cpu), cuda or torch
+    router_bin: Path
+    log_level: str
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """Every flag's default comes from RILL_<FLAG> when set; argparse applies `type` to it."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    def flag(name: str, value_type: Callable[[str], object], default: object, help_text: str) -> None:
+        env_name = "RILL_" + name.upper().replace("-", "_")
+        shown = "auto" if default is None else default
+        parser.add_argument(
+            f"--{name}",
+            type=value_type,
+            default=environ.get(env_name, default),
+            help=f"{help_text} (env {env_name}; default: {shown})",
+        )
+
+    def switch(name: str, help_text: str) -> None:
+        env_name = "RILL_" + name.upper().replace("-", "_")
+        is_set = environ.get(env_name, "").lower() in ("1", "true", "yes", "on")
+        help_text = f"{help_text} (env {env_name}; default: {'on' if is_set else 'off'})"
+        parser.add_argument(f"--{name}", action="store_true", default=is_set, help=help_text)
+
+    flag("model-id", Path, None, "Hugging Face-layout model folder; auto = built-in SmolLM2-135M-Instruct")
+    flag("hostname", str, "127.0.0.1", "address the router's HTTP server binds to")
+    flag("port", int, 8080, "port of the router's HTTP server")
+    flag("num-shard", int, 1, "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
+    flag("device", str, None, "cpu or cuda; auto = cuda when torch sees a GPU, else cpu")
+    flag("dtype", str, None, "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda")
+    flag("max-input-tokens", int, 4095, "most prompt tokens one request may have")
+    flag("max-total-tokens", int, 4096, "most tokens one request may reach, prompt + generated")
+    flag("max-batch-tokens", int, 2048, "most tokens the router puts in one forward pass (per iteration)")
+    flag("max-batch-total-tokens", int, 0, "KV cache capacity in tokens; 0 = what fits, found at warmup")
+    flag("max-batch-size", int, 64, "most sequences in one forward pass")
+    flag("kv-block-size", int, 16, "tokens per paged KV cache block")
+    flag("max-concurrent-requests", int, 128, "requests accepted at once (running + queued); beyond: 429")
+    flag("max-waiting-requests", int, 128, "requests waiting for admission at once; beyond: 429")
+    flag("max-queue-time", int, 0, "seconds a request may wait for admission (else 503); 0 = no limit")
+    flag("scheduling", str, "continuous", "continuous (iteration-level) or static (a benchmark baseline)")
+    flag("static-batch-wait-ms", int, 1000, "with --scheduling static: start a partial batch after it")
+    flag("target-itl-ms", float, None, "bound inter-token latency by sizing prompt chunks; auto = off")
+    flag("served-model-name", str, None, "model name of the OpenAI API; auto = the model folder's name")
+    flag("shutdown-timeout", int, 30, "on SIGTERM, seconds for requests in flight to finish (new: 503)")
+    switch("no-prefix-caching", "turn off the prefix cache (on by default)")
+    flag("preemption-mode", str, "auto", "recompute, swap (to host memory) or auto (the cheaper, measured)")
+    flag("swap-space", float, 4.0, "GiB of host memory per shard for swapped-out KV blocks")
+    flag("kv-admission", str, "incremental", "incremental, or reserve (prompt + max_new_tokens; a baseline)")
+    flag("max-body-bytes", int, 2 << 20, "largest request body accepted; larger ones get 413")
+    flag("api-key", str, None, "require `Authorization: Bearer <key>` on generation and tokenize routes")
+    switch("json-logs", "log one JSON object per line (router) instead of text")
+    flag("otlp-endpoint", str, None, "send OpenTelemetry traces (OTLP/HTTP) from router and shards here")
+    switch("log-prompts", "log prompts' text (never logged otherwise)")
+    switch("restart-shards", "restart the shards when one dies (requests in flight fail) instead of exiting")
+    flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
+    flag("attention-backend", str, "auto", "cuda (kernels/) or torch (references); auto = cuda on cuda")
+    flag("router-bin", Path, None, "rill-router binary; auto = on PATH, else ./target/{release,debug}/")
+    flag("log-level", str, "info", "debug, info, warning or error (also RUST_LOG for the router when unset)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Parses flags (falling back to RILL_* variables, then defaults) and resolves every `auto` value."""
+    environ = os.environ if environ is None else environ
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    if args.num_shard < 1:
+        parser.error(f"--num-shard must be >= 1, got {args.num_shard}")
+    device = args.device or _default_device()
+    if device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, got {device!r}")
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if args.scheduling not in ("continuous", "static"):
+        parser.error(f"--scheduling must be continuous or static, got {args.scheduling!r}")
+    if args.preemption_mode not in ("recompute", "swap", "auto"):
+        parser.error(f"--preemption-mode must be recompute, swap or auto, got {args.preemption_mode!r}")
+    if args.kv_admission not in ("incremental", "reserve"):
+        parser.error(f"--kv-admission must be incremental or reserve, got {args.kv_admission!r}")
+    if not args.swap_space >= 0:
+        parser.error(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
+    if args.attention_backend not in ("auto", "cuda", "torch"):
+        parser.error(f"--attention-backend must be auto, cuda or torch, got {args.attention_backend!r}")
+    if args.attention_backend == "cuda" and device != "cuda":
+        parser.error("--attention-backend cuda needs --device cuda")
+    if args.log_level.lower() not in ("debug", "info", "warning", "error"):
+        parser.error(f"--log-level must be debug, info, warning or error, got {args.log_level!r}")
+    if not 0 < args.max_input_tokens < args.max_total_tokens:
+        parser.error(
+            f"--max-input-tokens ({args.max_input_tokens}) must be > 0 and less than "
+            f"--max-total-tokens ({args.max_total_tokens})"
+        )
+    # Configured here, before the default model's first conversion logs its progress; a no-op when the
+    # caller (a test) has configured logging already.
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    num_threads = args.num_threads
+    if num_threads is None and device == "cpu":
+        num_threads = _num_cpus()
+    try:
+        router_bin = args.router_bin or find_router_bin(environ)
+        model_id = args.model_id or _default_model()
+    except RuntimeError as error:
+        parser.error(str(error))
+    if not model_id.is_dir():
+        parser.error(f"--model-id {model_id} is not a folder (expected a Hugging Face-layout model folder)")
+    return LaunchConfig(
+        model_id=model_id,
+        hostname=args.hostname,
+        port=args.port,
+        num_shard=args.num_shard,
+        device=device,
+        dtype=dtype,
+        max_input_tokens=args.max_input_tokens,
+        max_total_tokens=args.max_total_tokens,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+        max_batch_size=args.max_batch_size,
+        kv_block_size=args.kv_block_size,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_waiting_requests=args.max_waiting_requests,
+        max_queue_time=args.max_queue_time,
+        scheduling=args.scheduling,
+        static_batch_wait_ms=args.static_batch_wait_ms,
+        target_itl_ms=args.target_itl_ms,
+        served_model_name=args.served_model_name,
+        shutdown_timeout=args.shutdown_timeout,
+        prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        kv_admission=args.kv_admission,
+        max_body_bytes=args.max_body_bytes,
+        api_key=args.api_key or None,
+        json_logs=args.json_logs,
+        otlp_endpoint=args.otlp_endpoint or None,
+        log_prompts=args.log_prompts,
+        restart_shards=args.restart_shards,
+        num_threads=num_threads,
+        attention_backend=args.attention_backend,
+        router_bin=router_bin,
+        log_level=args.log_level.lower(),
+    )
+
+
+def _default_device() -> str:
+    import torch  # imported only when --device is left to auto
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _num_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _default_model() -> Path:
+    from rill.shard.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def find_router_bin(environ: Mapping[str, str]) -> Path:
+    """`rill-router` on PATH or next to this Python (pip installs it there), else a cargo build
+    (in $CARGO_TARGET_DIR when set, else ./target), release before debug."""
+    candidates = [
+        shutil.which("rill-router", path=environ.get("PATH")),
+        shutil.which("rill-router", path=str(Path(sys.executable).parent)),
+    ]
+    for found in candidates:
+        if found:
+            return Path(found)
+    target_dir = Path(environ.get("CARGO_TARGET_DIR") or REPO_ROOT / "target")
+    for profile in ("release", "debug"):
+        path = target_dir / profile / "rill-router"
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise RuntimeError(
+        "rill-router not found on PATH nor in ./target/release or ./target/debug: build it with "
+        "`cargo build --release` (or `pip install .`), or pass --router-bin PATH"
+    )
+
+
+def shard_command(
+    config: LaunchConfig, socket_path: Path, rank: int, dist_init_method: str | None = None
+) -> list[str]:
+    command = [
+        sys.executable, "-m", "rill.shard.server",
+        "--model-id", str(config.model_id),
+        "--socket", str(socket_path),
+        "--device", config.device,
+        "--dtype", config.dtype,
+        "--kv-block-size", str(config.kv_block_size),
+        "--rank", str(rank),
+        "--world-size", str(config.num_shard),
+        "--attention-backend", config.attention_backend,
+    ]  # fmt: skip
+    if config.num_threads is not None:
+        command += ["--num-threads", str(config.num_threads)]
+    if dist_init_method is not None:
+        command += ["--dist-init-method", dist_init_method]
+    if config.otlp_endpoint:
+        command += ["--otlp-endpoint", config.otlp_endpoint]
+    return command
+
+
+def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[str]:
+    command = [
+        str(config.router_bin),
+        "--model-id", str(config.model_id),
+        "--hostname", config.hostname,
+        "--port", str(config.port),
+    ]  # fmt: skip
+    for socket_path in socket_paths:
+        command += ["--shard-socket", str(socket_path)]
+    command += [
+        "--max-input-tokens", str(config.max_input_tokens),
+        "--max-total-tokens", str(config.max_total_tokens),
+        "--max-batch-tokens", str(config.max_batch_tokens),
+        "--max-batch-total-tokens", str(config.max_batch_total_tokens),
+        "--max-batch-size", str(config.max_batch_size),
+        "--max-concurrent-requests", str(config.max_concurrent_requests),
+        "--max-waiting-requests", str(config.max_waiting_requests),
+        "--max-queue-time", str(config.max_queue_time),
+        "--scheduling", config.scheduling,
+        "--static-batch-wait-ms", str(config.static_batch_wait_ms),
+        "--shutdown-timeout", str(config.shutdown_timeout),
+        "--max-body-bytes", str(config.max_body_bytes),
+        "--preemption-mode", config.preemption_mode,
+        "--swap-space", str(config.swap_space),
+        "--kv-admission", config.kv_admission,
+    ]  # fmt: skip
+    if config.target_itl_ms:
+        command += ["--target-itl-ms", str(config.target_itl_ms)]
+    if config.served_model_name:
+        command += ["--served-model-name", config.served_model_name]
+    if config.otlp_endpoint:
+        command += ["--otlp-endpoint", config.otlp_endpoint]
+    switches = {
+        "--no-prefix-caching": not config.prefix_caching,
+        "--json-logs": config.json_logs,
+        "--log-prompts": config.log_prompts,
+    }
+    return command + [name for name, is_on in switches.items() if is_on]
+
+
+class ChildExited(RuntimeError):
+    def __init__(self, name: str, returncode: int) -> None:
+        self.name, self.returncode = name, returncode
+        reason = f" (killed by {signal.Signals(-returncode).name})" if returncode < 0 else ""
+        super().__init__(f"{name} exited with code {returncode}{reason}")
+
+
+class ShutdownRequested(Exception):
+    pass
+
+
+class Supervisor:
+    """The launcher's children by name. Each runs in its own session, so a terminal's Ctrl-C reaches
+    only the launcher, which then stops the children in order (router first, then shards)."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.stop_requested = threading.Event()
+
+    def start(self, name: str, command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        logger.info("starting %s: %s", name, " ".join(command))
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        self.children[name] = process
+        logger.info("%s has pid %d", name, process.pid)
+
+    def check(self) -> None:
+        """Raises `ShutdownRequested` after a signal, or `ChildExited` for the first child that exited."""
+        if self.stop_requested.is_set():
+            raise ShutdownRequested
+        for name, process in self.children.items():
+            returncode = process.poll()
+            if returncode is not None:
+                raise ChildExited(name, returncode)
+
+    def wait_until(self, is_ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+        """Polls `is_ready` until true, failing fast if a child exits or a signal arrives."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check()
+            if is_ready():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} was not ready after {timeout_s:.0f} s")
+            time.sleep(POLL_INTERVAL_S)
+
+    def supervise(self) -> None:
+        """Blocks until a child exits (raises `ChildExited`) or a signal arrives (`ShutdownRequested`)."""
+        while True:
+            self.check()
+            self.stop_requested.wait(POLL_INTERVAL_S)
+
+    def stop_group(self, names: Sequence[str]) -> None:
+        """Stops these children (SIGTERM, then SIGKILL after the grace period) and forgets them."""
+        for name in names:
+            process = self.children.pop(name)
+            if process.poll() is None:
+                _signal_group(process, signal.SIGTERM)
+                try:
+                    process.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    _signal_group(process, signal.SIGKILL)
+                    process.wait()
+            _signal_group(process, signal.SIGKILL)  # grandchildren left in its group
+
+    def stop_all(self, router_grace_s: float = STOP_GRACE_S) -> None:
+        """Stops the router first and waits for it (it drains requests in flight for up to its
+        --shutdown-timeout, which needs the shards alive), then the shards: SIGTERM to each child's
+        process group, SIGKILL what is left after its grace period."""
+        alive = [(name, child) for name, child in reversed(self.children.items()) if child.poll() is None]
+        router = [(name, child) for name, child in alive if name == "router"]
+        shards = [(name, child) for name, child in alive if name != "router"]
+        for group, grace_s in ((router, router_grace_s), (shards, STOP_GRACE_S)):
+            for name, process in group:
+                logger.info("stopping %s (pid %d)", name, process.pid)
+                _signal_group(process, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for name, process in group:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+                    _signal_group(process, signal.SIGKILL)
+                    process.wait()
+        for process in self.children.values():
+            _signal_group(process, signal.SIGKILL)  # grandchildren left in a dead child's group
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)  # start_new_session made the child its group's leader
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group is gone already
+
+
+def shard_is_healthy(socket_path: Path) -> bool:
+    import grpc
+
+    from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
+
+    if not socket_path.exists():
+        return False
+    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+        try:
+            shard_pb2_grpc.ShardStub(channel).Health(shard_pb2.HealthRequest(), timeout=2.0)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def router_is_healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
+    """Starts every component and supervises them until one exits or a signal arrives."""
+    with tempfile.TemporaryDirectory(prefix="rill-") as socket_dir:  # mode 0700: private sockets
+        socket_paths = [Path(socket_dir) / f"shard-{rank}.sock" for rank in range(config.num_shard)]
+        shard_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        # The ranks rendezvous through a file in the private folder: no port to pick, nothing to race for.
+        dist_init_method = f"file://{socket_dir}/dist-init" if config.num_shard > 1 else None
+
+        def start_shards() -> None:
+            Path(socket_dir, "dist-init").unlink(missing_ok=True)  # a stale rendezvous file hangs a restart
+            for rank, socket_path in enumerate(socket_paths):
+                command = shard_command(config, socket_path, rank, dist_init_method)
+                supervisor.start(f"shard-{rank}", command, shard_env)
+            for rank, socket_path in enumerate(socket_paths):
+                is_ready = functools.partial(shard_is_healthy, socket_path)
+                supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)
+                logger.info("shard-%d is healthy", rank)
+
+        start_shards()
+
+        router_env = {"RUST_LOG": config.log_level, **os.environ}
+        if config.api_key:
+            router_env["RILL_API_KEY"] = config.api_key
+        supervisor.start("router", router_command(config, socket_paths), router_env)
+        connect_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(config.hostname, config.hostname)
+        if ":" in connect_host and not connect_host.startswith("["):
+            connect_host = f"[{connect_host}]"
+        base_url = f"http://{connect_host}:{config.port}"
+        is_ready = functools.partial(router_is_healthy, base_url)
+        supervisor.wait_until(is_ready, "router", ROUTER_START_TIMEOUT_S)
+        logger.info("Rill is serving %s at http://%s:%d", config.model_id, config.hostname, config.port)
+        while True:
+            try:
+                supervisor.supervise()
+            except ChildExited as error:
+                if not (config.restart_shards and error.name.startswith("shard-")):
+                    raise
+                # A tensor-parallel group cannot lose a rank: every shard restarts. The router fails the
+                # requests in flight, waits for the shards, warms them up again and carries on.
+                logger.error("%s; restarting the shards (--restart-shards)", error)
+                supervisor.stop_group([name for name in supervisor.children if name.startswith("shard-")])
+                start_shards()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    supervisor = Supervisor()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        logger.info("received %s; stopping", signal.Signals(signum).name)
+        supervisor.stop_requested.set()
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    # On a signal the router drains requests in flight (--shutdown-timeout); after a crash it need not.
+    router_grace_s = STOP_GRACE_S
+    try:
+        serve(config, supervisor)
+    except ShutdownRequested:
+        router_grace_s = config.shutdown_timeout + STOP_GRACE_S
+    except (ChildExited, TimeoutError) as error:
+        logger.error("%s; stopping Rill", error)
+        return 1
+    finally:
+        supervisor.stop_all(router_grace_s)
+    logger.info("Rill stopped")
+    return 0

@@ -1,0 +1,240 @@
+"""Internal request types and `BatchState`: one forward call's flattened, validated inputs.
+
+`BatchState.prepare` checks a `ForwardRequest` against the model and the KV pool and builds the tensors the
+forward pass needs. It raises ValueError, naming the sequence and field, for anything a caller can get wrong;
+nothing is mutated before validation passes. `TokenHistory` is the per-sequence token record penalties read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rill.shard.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's part of a forward call (see `SequenceChunk` in the proto)."""
+
+    id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams | None = None
+    # Sent with params only: the token ids at positions [0, num_computed_tokens), for penalties.
+    cached_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """One KV block copied between the device pool and the host swap pool (see `BlockCopy` in the proto)."""
+
+    device_block: int
+    host_block: int
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    sequences: list[SequenceChunk]
+    released_ids: list[int] = field(default_factory=list)
+    # Executed before the forward: swap_out first (device -> host), then swap_in (host -> device).
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Generation:
+    id: int
+    token_id: int
+    logprob: float  # under the raw distribution
+    top_logprobs: list[TopLogprob] = field(default_factory=list)  # most likely first
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What the loaded model and the KV pool accept."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class BatchState:
+    """A call's flattened tokens; sequence i owns rows [cu_seqlens_q[i], cu_seqlens_q[i+1])."""
+
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with block 0
+    cu_seqlens_q: list[int]
+    context_lens: list[int]  # num_computed_tokens + chunk length, per sequence
+    sample_rows: torch.Tensor  # int64 [num_sampled]: rows whose logits are sampled (each chunk's last token)
+    sample_ids: list[int]  # sequence id per sampled row
+    sample_positions: list[int]  # position of the token being generated, per sampled row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_seqlens_q[-1]
+
+    @classmethod
+    def prepare(
+        cls,
+        sequences: list[SequenceChunk],
+        known_ids: set[int] | dict[int, object],
+        limits: BatchLimits,
+        device: torch.device,
+    ) -> BatchState:
+        """Validates `sequences` (ids in `known_ids` may omit params) and flattens them."""
+        if not sequences:
+            raise ValueError("sequences: a forward call needs at least one sequence")
+        seen: set[int] = set()
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens_q = [0]
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        sample_ids: list[int] = []
+        for seq in sequences:
+            _validate(seq, seen, known_ids, limits)
+            seen.add(seq.id)
+            context_len = seq.num_computed_tokens + len(seq.token_ids)
+            seq_positions = range(seq.num_computed_tokens, context_len)
+            input_ids.extend(seq.token_ids)
+            positions.extend(seq_positions)
+            slots.extend(
+                seq.block_table[p // limits.block_size] * limits.block_size + p % limits.block_size
+                for p in seq_positions
+            )
+            cu_seqlens_q.append(len(input_ids))
+            context_lens.append(context_len)
+            if seq.sample:
+                sample_rows.append(len(input_ids) - 1)
+                sample_ids.append(seq.id)
+        max_blocks = max(len(seq.block_table) for seq in sequences)
+        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in sequences]
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=tensor(input_ids),
+            positions=tensor(positions),
+            slot_mapping=tensor(slots),
+            block_tables=tensor(block_tables),
+            cu_seqlens_q=cu_seqlens_q,
+            context_lens=context_lens,
+            sample_rows=tensor(sample_rows),
+            sample_ids=sample_ids,
+            sample_positions=[context_lens[i] for i, seq in enumerate(sequences) if seq.sample],
+        )
+
+
+def _validate(
+    seq: SequenceChunk, seen: set[int], known_ids: set[int] | dict[int, object], limits: BatchLimits
+) -> None:
+    where = f"sequence {seq.id}"
+    if seq.id in seen:
+        raise ValueError(f"{where}: id appears more than once in the call")
+    if seq.params is None and seq.id not in known_ids:
+        raise ValueError(f"{where}: params missing, and the shard has none stored for this id")
+    if seq.params is not None:
+        try:
+            seq.params.validate(limits.vocab_size)
+        except ValueError as error:
+            raise ValueError(f"{where}: params: {error}") from None
+    if not seq.token_ids:
+        raise ValueError(f"{where}: token_ids is empty")
+    bad_tokens = [t for t in seq.token_ids if not 0 <= t < limits.vocab_size]
+    if bad_tokens:
+        raise ValueError(f"{where}: token_ids {bad_tokens[:5]} out of range [0, {limits.vocab_size})")
+    if seq.cached_token_ids:
+        if seq.params is None:
+            raise ValueError(f"{where}: cached_token_ids sent without params")
+        if len(seq.cached_token_ids) != seq.num_computed_tokens:
+            raise ValueError(
+                f"{where}: cached_token_ids has {len(seq.cached_token_ids)} tokens, "
+                f"num_computed_tokens is {seq.num_computed_tokens}"
+            )
+        bad_tokens = [t for t in seq.cached_token_ids if not 0 <= t < limits.vocab_size]
+        if bad_tokens:
+            raise ValueError(
+                f"{where}: cached_token_ids {bad_tokens[:5]} out of range [0, {limits.vocab_size})"
+            )
+    context_len = seq.num_computed_tokens + len(seq.token_ids)
+    if context_len > limits.max_position_embeddings:
+        raise ValueError(
+            f"{where}: num_computed_tokens + len(token_ids) = {context_len} exceeds "
+            f"max_position_embeddings {limits.max_position_embeddings}"
+        )
+    num_blocks_needed = -(-context_len // limits.block_size)
+    if len(seq.block_table) < num_blocks_needed:
+        raise ValueError(
+            f"{where}: block_table has {len(seq.block_table)} blocks but positions [0, {context_len}) need "
+            f"{num_blocks_needed} of {limits.block_size} tokens"
+        )
+    bad_blocks = [b for b in seq.block_table if not 0 < b < limits.num_blocks]
+    if bad_blocks:
+        raise ValueError(
+            f"{where}: block_table ids {bad_blocks[:5]} out of range [1, {limits.num_blocks}) "
+            "(block 0 is the null block)"
+        )
+
+
+class TokenHistory:
+    """The token ids of each sequence whose params have a penalty, at positions 0, 1, ...: `cached_token_ids`
+    (sent with params) followed by the `token_ids` of every chunk. Kept by id like the params; the runner
+    drops an id when it is released and everything on ClearCache. Sequences without a penalty keep none."""
+
+    def __init__(self) -> None:
+        self.token_ids_by_id: dict[int, list[int]] = {}
+
+    def get(self, seq_id: int) -> list[int]:
+        return self.token_ids_by_id.get(seq_id, [])
+
+    def record(self, sequences: list[SequenceChunk], params_by_id: dict[int, SamplingParams]) -> None:
+        """Appends each chunk's tokens, at its positions. Checks every chunk before changing anything, and
+        raises ValueError when a penalized sequence's earlier tokens are missing. A chunk with params
+        (re)starts the sequence's history; `params_by_id` gives the params of the others."""
+        for seq in sequences:
+            params = seq.params or params_by_id[seq.id]
+            if not params.needs_history or seq.num_computed_tokens == 0:
+                continue
+            if seq.params is not None:
+                num_known = len(seq.cached_token_ids)
+                missing = "cached_token_ids must carry them when a penalty is on"
+            else:
+                num_known = len(self.get(seq.id))
+                missing = "the shard has seen fewer"
+            if num_known < seq.num_computed_tokens:
+                raise ValueError(
+                    f"sequence {seq.id}: penalties need the tokens at positions "
+                    f"[0, {seq.num_computed_tokens}), but only {num_known} are known ({missing})"
+                )
+        for seq in sequences:
+            params = seq.params or params_by_id[seq.id]
+            if not params.needs_history:
+                self.token_ids_by_id.pop(seq.id, None)
+            elif seq.params is not None:
+                self.token_ids_by_id[seq.id] = [*seq.cached_token_ids, *seq.token_ids]
+            else:
+                history = self.token_ids_by_id.setdefault(seq.id, [])
+                del history[seq.num_computed_tokens :]  # a chunk at earlier positions replaces what was there
+                history.extend(seq.token_ids)
+
+    def release(self, seq_id: int) -> None:
+        self.token_ids_by_id.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self.token_ids_by_id.clear()

@@ -1,0 +1,81 @@
+"""The shard process's typed configuration, built once from command-line flags and passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "cuda", "torch")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything one shard rank needs to know; nothing is read from the environment.
+
+    `block_size` is tokens per KV block; the router's allocator uses exactly this value (it learns it
+    from `Info`). `num_threads` is torch's intra-op thread count on the CPU (0 = torch's default).
+    With `world_size` > 1 the ranks rendezvous through `dist_init_method`, a torch.distributed URL
+    (tcp://127.0.0.1:PORT, or file:///PATH in a folder private to one launch).
+    `attention_backend` picks the CUDA kernels of kernels/ or the torch references for attention, KV writes,
+    norms and rotary (auto: kernels on cuda, references on cpu); `cuda_graph_max_batch_size` bounds the decode
+    batch sizes captured as CUDA graphs with the kernels (0: none). `otlp_endpoint`, when set, is the
+    OpenTelemetry collector the server sends its `forward` spans to (rill/shard/telemetry.py).
+    """
+
+    model_path: Path
+    socket_path: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    rank: int = 0
+    world_size: int = 1
+    num_threads: int = 0
+    dist_init_method: str | None = None
+    attention_backend: str = "auto"
+    cuda_graph_max_batch_size: int = 256
+    otlp_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.world_size > 1 and not self.dist_init_method:
+            raise ValueError(
+                f"world_size {self.world_size} needs a dist_init_method (tcp://... or file://...)"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "cuda" and self.device != "cuda":
+            raise ValueError("attention_backend 'cuda' needs device 'cuda'")
+        if self.cuda_graph_max_batch_size < 0:
+            raise ValueError(f"cuda_graph_max_batch_size must be >= 0, got {self.cuda_graph_max_batch_size}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def uses_cuda_kernels(self) -> bool:
+        """The resolved backend: kernels on cuda unless forced to torch; never on the CPU."""
+        return self.device == "cuda" and self.attention_backend != "torch"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device if self.device == "cpu" else f"cuda:{self.rank}")

