@@ -3,10 +3,15 @@
 
 A parameter with a `weight_loader` gets a lazy safetensors slice of the memory-mapped file, and its loader
 reads only this tensor-parallel rank's rows or columns: a rank never materializes a whole split tensor.
-Parameters without one (norms) are replicated and read whole."""
+Parameters without one (norms) are replicated and read whole.
+
+Which files: with a `model.safetensors.index.json` the files its `weight_map` names, and only those (a
+Mistral folder ships `consolidated.safetensors`, the same weights under other names, beside its indexed HF
+shards); without one, every `*.safetensors` in the folder."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -27,11 +32,31 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def load_weights(model: nn.Module, model_path: Path) -> None:
-    """Copies every tensor of `model_path/*.safetensors` into `model`; fails if a parameter stays unloaded."""
-    files = sorted(Path(model_path).glob("*.safetensors"))
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_path: Path) -> list[Path]:
+    """The safetensors files that hold the checkpoint (see the module docstring)."""
+    model_path = Path(model_path)
+    index = model_path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [model_path / name for name in sorted(set(weight_map.values()))]
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise ValueError(f"{index} names files that are not in the folder: {missing}")
+        return files
+    files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in model folder {model_path}")
+    return files
+
+
+def load_weights(model: nn.Module, model_path: Path) -> None:
+    """Copies every tensor of the checkpoint's files into `model`; fails if a parameter stays unloaded."""
+    files = checkpoint_files(model_path)
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     names_per_file: list[tuple[Path, list[str]]] = []
