@@ -10,11 +10,14 @@ start `rill-router` (which calls Info and Warmup on the shards, then serves HTTP
 answers 200.
 Then supervise: if any child exits, stop the others (SIGTERM, SIGKILL after a grace period) and exit
 non-zero naming it; SIGINT/SIGTERM to the launcher stop everything and exit 0.
+No orphans: on Linux every child gets a parent-death signal (SIGKILL for a shard, SIGTERM for the router),
+so a launcher that dies however it dies (SIGKILL, the OOM killer) takes its shards and router with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import logging
 import os
@@ -342,9 +345,18 @@ class Supervisor:
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.stop_requested = threading.Event()
 
-    def start(self, name: str, command: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    def start(
+        self,
+        name: str,
+        command: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        death_signal: signal.Signals = signal.SIGKILL,
+    ) -> None:
+        """Starts a child that receives `death_signal` when the launcher dies (see `die_with_parent`)."""
         logger.info("starting %s: %s", name, " ".join(command))
-        process = subprocess.Popen(command, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            command, env=env, start_new_session=True, preexec_fn=die_with_parent(death_signal)
+        )
         self.children[name] = process
         logger.info("%s has pid %d", name, process.pid)
 
@@ -410,6 +422,29 @@ class Supervisor:
             _signal_group(process, signal.SIGKILL)  # grandchildren left in a dead child's group
 
 
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(sig: signal.Signals) -> Callable[[], None]:
+    """A `preexec_fn` that makes the child receive `sig` when the launcher dies, however it dies.
+
+    Linux's parent-death signal is tied to the *thread* that forked: every child is started from the
+    launcher's main thread, which lives as long as the launcher. A launcher that died between the fork and
+    the prctl call is caught by comparing the parent pid afterwards. Elsewhere this does nothing."""
+    launcher_pid = os.getpid()
+    # Looked up before the fork: the child calls only the function, never the dynamic loader.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+
+    def set_death_signal() -> None:
+        if prctl is None:
+            return
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != launcher_pid:
+            os.kill(os.getpid(), sig)
+
+    return set_death_signal
+
+
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     try:
         os.killpg(process.pid, sig)  # start_new_session made the child its group's leader
@@ -463,7 +498,8 @@ def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
         router_env = {"RUST_LOG": config.log_level, **os.environ}
         if config.api_key:
             router_env["RILL_API_KEY"] = config.api_key
-        supervisor.start("router", router_command(config, socket_paths), router_env)
+        # SIGTERM: an orphaned router fails its requests with an error (its shards die too) and exits.
+        supervisor.start("router", router_command(config, socket_paths), router_env, signal.SIGTERM)
         connect_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(config.hostname, config.hostname)
         if ":" in connect_host and not connect_host.startswith("["):
             connect_host = f"[{connect_host}]"
