@@ -35,6 +35,12 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "mistral": transformers.MistralConfig,
+        "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
+        "mixtral": transformers.MixtralConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[model_type]
     config = config_class(**{**TINY, **overrides})
     torch.manual_seed(seed)

@@ -110,13 +110,18 @@ class ModelRunner:
         and is an error when the kernels were asked for."""
         if not self.config.uses_cuda_kernels:
             return False
-        attn = self.model.model.layers[0].self_attn.attn
+        layers = self.model.model.layers
+        attn = layers[0].self_attn.attn
+        reason = ""
         if not kernels.supports(attn.head_dim, attn.num_heads, attn.num_kv_heads):
             reason = (
                 f"the CUDA kernels support head_dim {kernels.SUPPORTED_HEAD_DIMS} and at most "
                 f"{kernels.MAX_GROUP_SIZE} query heads per KV head, not head_dim {attn.head_dim} with "
                 f"{attn.num_heads} heads / {attn.num_kv_heads} KV heads"
             )
+        elif any(layer.self_attn.attn.sliding_window or layer.self_attn.attn.softcap for layer in layers):
+            reason = "the CUDA kernels have no sliding-window attention or attention logit soft-capping"
+        if reason:
             if self.config.attention_backend == "cuda":
                 raise ValueError(reason)
             logger.warning("%s: using the torch attention backend", reason)

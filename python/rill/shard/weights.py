@@ -20,6 +20,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from rill.shard.layers.linear import loaded_shape, read_part
+
 logger = logging.getLogger(__name__)
 
 # Checkpoint tensors with no parameter in Rill's models (buffers recomputed at init).
@@ -59,6 +61,7 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
     files = checkpoint_files(model_path)
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    fused: dict[str, list[tuple[object, int]]] = getattr(model, "fused_checkpoint_parts", {})
     names_per_file: list[tuple[Path, list[str]]] = []
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -79,7 +82,10 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
                         )
                     param = params[target]
                     loader = getattr(param, "weight_loader", None)
-                    if loader is not None:
+                    parts = _fused_parts(target, fused)
+                    if parts:
+                        _load_fused(param, f.get_slice(name), parts)
+                    elif loader is not None:
                         loader(param, f.get_slice(name), shard_id)
                     else:
                         assert shard_id is None, f"{target} is fused but has no weight_loader"
@@ -91,6 +97,27 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
     if missing:
         raise ValueError(f"checkpoint in {model_path} lacks tensors for parameters: {missing}")
     logger.info("loaded %d tensors from %d safetensors file(s)", num_tensors, len(files))
+
+
+def _fused_parts(target: str, fused: dict[str, list[tuple[object, int]]]) -> list[tuple[object, int]]:
+    for module, parts in fused.items():
+        if f".{module}." in target:
+            return parts
+    return []
+
+
+def _load_fused(param: nn.Parameter, loaded: object, parts: list[tuple[object, int]]) -> None:
+    """A checkpoint tensor that stacks several parts along its rows (Phi-3's qkv_proj): each part's rows go
+    to the fused layer's loader under its shard id."""
+    total_rows = sum(rows for _, rows in parts)
+    if loaded_shape(loaded)[0] != total_rows:
+        raise ValueError(
+            f"fused tensor has {loaded_shape(loaded)[0]} rows, its parts {parts} sum to {total_rows}"
+        )
+    start = 0
+    for shard_id, rows in parts:
+        param.weight_loader(param, read_part(loaded, 0, start, rows), shard_id)
+        start += rows
 
 
 def _resolve(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object]:

@@ -107,11 +107,16 @@ def tiled_causal_attention(
     query_positions: torch.Tensor,
     scale: float,
     key_tile_size: int = KEY_TILE_SIZE,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal GQA for one sequence, invariant to how its queries are chunked.
 
     q: [num_queries, num_heads, head_dim] at `query_positions`; k, v: [context_len, num_kv_heads, head_dim],
     the sequence's keys from position 0. Returns [num_queries, num_heads, head_dim] in q's dtype.
+    `sliding_window` > 0: a query at p sees only keys at positions > p - sliding_window. `softcap` > 0:
+    scores become softcap * tanh(score / softcap) before the softmax (Gemma 2). Tiles that every query's
+    window has left are skipped: they would leave the running state bitwise unchanged.
     """
     num_queries, num_heads, head_dim = q.shape
     context_len, num_kv_heads, _ = k.shape
@@ -125,19 +130,29 @@ def tiled_causal_attention(
     row_max = torch.full((num_kv_heads, num_rows, 1), float("-inf"), device=q.device)
     row_sum = torch.zeros((num_kv_heads, num_rows, 1), device=q.device)
     acc = torch.zeros((num_kv_heads, num_rows, head_dim), device=q.device)
-    for tile_start in range(0, context_len, key_tile_size):
+    first_tile = 0
+    if sliding_window > 0:
+        first_visible = int(query_positions.min()) - sliding_window + 1
+        first_tile = max(0, first_visible) // key_tile_size * key_tile_size
+    for tile_start in range(first_tile, context_len, key_tile_size):
         tile_end = min(tile_start + key_tile_size, context_len)
         k_tile = k.new_zeros(key_tile_size, num_kv_heads, head_dim, dtype=torch.float32)
         v_tile = torch.zeros_like(k_tile)
         k_tile[: tile_end - tile_start] = k[tile_start:tile_end]
         v_tile[: tile_end - tile_start] = v[tile_start:tile_end]
         scores = (q_rows @ k_tile.permute(1, 2, 0))[:, :num_rows]  # [kv_heads, rows, tile]
+        if softcap > 0.0:
+            scores = torch.tanh(scores / softcap) * softcap
         key_positions = torch.arange(tile_start, tile_start + key_tile_size, device=q.device)
         is_masked = key_positions[None, :] > row_positions[:, None]
+        if sliding_window > 0:
+            is_masked |= key_positions[None, :] <= row_positions[:, None] - sliding_window
         scores = scores.masked_fill(is_masked, float("-inf"))
         new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
-        rescale = torch.exp(row_max - new_max)
-        probs = torch.exp(scores - new_max)
+        # A row with no visible key yet (its window starts in a later tile) keeps max -inf: subtract 0.
+        safe_max = new_max.masked_fill(new_max == float("-inf"), 0.0)
+        rescale = torch.exp(row_max - safe_max)
+        probs = torch.exp(scores - safe_max)
         row_sum = row_sum * rescale + probs.sum(dim=-1, keepdim=True)
         acc = acc * rescale + (_pad_rows(probs) @ v_tile.permute(1, 0, 2))[:, :num_rows]
         row_max = new_max
@@ -148,7 +163,18 @@ def tiled_causal_attention(
 class PagedAttention(nn.Module):
     """Stores this layer's new K/V, then attends each sequence's queries through its block table."""
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        layer_id: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> None:
+        """`sliding_window` > 0: queries see only their last `sliding_window` positions; `softcap` > 0:
+        attention logits are soft-capped (see `tiled_causal_attention`)."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -157,6 +183,8 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
@@ -174,7 +202,14 @@ class PagedAttention(nn.Module):
             seq_k = k_pool[blocks].flatten(0, 1)[:context_len]
             seq_v = v_pool[blocks].flatten(0, 1)[:context_len]
             out[start:end] = tiled_causal_attention(
-                q[start:end], seq_k, seq_v, ctx.positions[start:end], self.scale, KEY_TILE_SIZE
+                q[start:end],
+                seq_k,
+                seq_v,
+                ctx.positions[start:end],
+                self.scale,
+                KEY_TILE_SIZE,
+                self.sliding_window,
+                self.softcap,
             )
         return out
 

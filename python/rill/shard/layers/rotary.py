@@ -1,4 +1,14 @@
-"""Rotary position embedding (rotate-half layout, as HF Llama), with "default" and "llama3" scaling."""
+"""Rotary position embedding (rotate-half layout, as HF Llama) and the rope scalings of Hugging Face configs.
+
+Each scaling is fixed at construction: `inv_freq` and an attention factor (yarn, longrope) that multiplies
+cos and sin. Where transformers recomputes the frequencies per call from the sequence length (`dynamic`, and
+`longrope`'s short/long switch), Rill uses the frequencies for the longest context the model serves, so a
+token's rotation never depends on the batch or on how long the sequence will grow:
+- dynamic: NTK base for `factor * max_position_embeddings` tokens (as vLLM does);
+- longrope: the long factors when `max_position_embeddings > original_max_position_embeddings` (the 128k
+  Phi-3 models), else the short ones; transformers uses the short ones while a sequence fits the original
+  context.
+"""
 
 from __future__ import annotations
 
@@ -27,20 +37,111 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def linear_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Position interpolation: every frequency / `factor`."""
+    return inv_freq / float(scaling["factor"])
+
+
+def dynamic_ntk_inv_freq(rope_theta: float, head_dim: int, scaling: dict) -> torch.Tensor:
+    """NTK-aware base for a context of `factor` times `max_position_embeddings` (see the module docstring)."""
+    factor = float(scaling["factor"])
+    base = rope_theta * (2 * factor - 1) ** (head_dim / (head_dim - 2))
+    return _default_inv_freq(base, head_dim)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(rope_theta: float, head_dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between (by dimension), and
+    an attention factor from `factor` (or `mscale` / `mscale_all_dim`, or `attention_factor` as given)."""
+    factor = float(
+        scaling.get("factor")
+        or scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    )
+    original_len = float(scaling["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_of(num_rotations: float) -> float:
+        return head_dim * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = _default_inv_freq(rope_theta, head_dim)
+    interpolated = extrapolated / factor
+    return interpolated * ramp + extrapolated * (1 - ramp), float(attention_factor)
+
+
+def longrope_inv_freq(rope_theta: float, head_dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-dimension rescale factors (long or short, see the module docstring) and an
+    attention factor sqrt(1 + log(factor) / log(original context))."""
+    original_len = scaling["original_max_position_embeddings"]
+    max_len = scaling["max_position_embeddings"]
+    factor = scaling.get("factor") or max_len / original_len
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_len))
+    ext_factors = torch.tensor(
+        scaling["long_factor"] if max_len > original_len else scaling["short_factor"], dtype=torch.float32
+    )
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext_factors * rope_theta**exponents), float(attention_factor)
+
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def _default_inv_freq(rope_theta: float, head_dim: int) -> torch.Tensor:
+    return 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_parameters(
+    head_dim: int, rope_theta: float, rope_scaling: dict | None
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] in float32, attention factor) for a config's rope scaling. `rope_scaling` is
+    the config's scaling dict with `max_position_embeddings` (and `original_max_position_embeddings` where
+    the config has it at top level) merged in; None or rope_type "default" is plain RoPE."""
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return _default_inv_freq(rope_theta, head_dim), 1.0
+    if rope_type == "linear":
+        return linear_inv_freq(_default_inv_freq(rope_theta, head_dim), scaling), 1.0
+    if rope_type == "llama3":
+        return llama3_inv_freq(_default_inv_freq(rope_theta, head_dim), scaling), 1.0
+    if rope_type == "dynamic":
+        return dynamic_ntk_inv_freq(rope_theta, head_dim, scaling), 1.0
+    if rope_type == "yarn":
+        return yarn_inv_freq(rope_theta, head_dim, scaling)
+    if rope_type == "longrope":
+        return longrope_inv_freq(rope_theta, head_dim, scaling)
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r} in the model config (supported: {', '.join(ROPE_TYPES)})"
+    )
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token positions. cos/sin are computed per call: elementwise, so invariant."""
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
-        if rope_type == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, rope_scaling)
-        elif rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, llama3)")
+        inv_freq, self.attention_factor = rope_parameters(head_dim, rope_theta, rope_scaling)
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not round the frequencies (HF keeps them
         # in float32 too). The model is built under the target device, so no move is needed.
-        self.inv_freq = inv_freq
+        self.inv_freq = inv_freq.to(torch.get_default_device())
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -49,11 +150,14 @@ class RotaryEmbedding(nn.Module):
         kernels active, q and k are rotated in place and returned."""
         if kernels_active() and q.is_cuda:
             kernels.rotary_embedding(q, k, positions, self.inv_freq)
+            if self.attention_factor != 1.0:  # the rotation is linear: scaling cos/sin scales its output
+                q.mul_(self.attention_factor)
+                k.mul_(self.attention_factor)
             return q, k
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
+        cos = (emb.cos() * self.attention_factor).to(q.dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_factor).to(q.dtype)[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,9 +1,12 @@
 """Rill's Llama-family decoder (llama, mistral, qwen2): pure math over flattened tokens and a paged KV cache.
 
 Inputs are the flattened tokens of every sequence in the call, `input_ids` and `positions` of shape
-[num_tokens]; attention metadata comes from the forward context (rill.shard.layers.attention). Mistral's and
-Qwen2's sliding window is ignored: every query attends to all earlier positions, which matches those models
-up to their window length (and exactly for the released configs that disable it).
+[num_tokens]; attention metadata comes from the forward context (rill.shard.layers.attention). A sliding
+window applies where the config has one: to every layer (Mistral, Phi-3), or to the layers `layer_types`
+marks "sliding_attention" (Qwen2 with `use_sliding_window`).
+
+Other families reuse these blocks: a family file subclasses the attention, MLP or decoder layer it changes
+and names its classes through the `*_class` attributes below.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class LlamaConfig:
     o_proj_bias: bool
     mlp_bias: bool
     hidden_act: str
+    # Per layer: the sliding window in tokens (0: the layer attends to every earlier position).
+    layer_windows: tuple[int, ...]
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
@@ -52,6 +57,19 @@ class LlamaConfig:
         rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         attention_bias = bool(hf.get("attention_bias", False))
+        max_position_embeddings = hf.get("max_position_embeddings", 2048)
+        rope_scaling = None
+        if rope_type != "default":
+            rope_scaling = {
+                "original_max_position_embeddings": hf.get("original_max_position_embeddings"),
+                **rope,
+                "rope_type": rope_type,
+                "max_position_embeddings": max_position_embeddings,
+            }
+        if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor") or 1.0)) != 1.0:
+            raise ValueError(
+                "partial_rotary_factor below 1 (Phi-4-mini, some GPT-NeoX-style models) is not supported"
+            )
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -63,15 +81,36 @@ class LlamaConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias and no o_proj bias; Llama's `attention_bias` covers all four.
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_proj_bias=False if model_type == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hidden_act=hf.get("hidden_act", "silu"),
+            layer_windows=layer_windows(hf),
         )
+
+
+def layer_windows(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's sliding window from an HF config: `layer_types` when present, else `sliding_window` on
+    every layer (Mistral, Phi-3); Qwen2/3 windows only with `use_sliding_window`."""
+    num_layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") or 0
+    if hf.get("use_sliding_window") is False:
+        window = 0
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        return (window,) * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(
+            f"unsupported layer_types {sorted(unknown)} (supported: sliding_attention, full_attention)"
+        )
+    return tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
 
 
 class LlamaAttention(nn.Module):
@@ -92,7 +131,12 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope_theta, config.rope_scaling)
         self.attn = PagedAttention(
-            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+            layer_id,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            sliding_window=config.layer_windows[layer_id],
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,10 +166,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = LlamaAttention
+    mlp_class: type[nn.Module] = LlamaMLP
+
     def __init__(self, config: LlamaConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self.attention_class(config, layer_id)
+        self.mlp = self.mlp_class(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -145,10 +192,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -163,7 +212,8 @@ class LlamaForCausalLM(nn.Module):
     """`forward` returns final hidden states [num_tokens, hidden]; `compute_logits` maps chosen rows to
     float32 logits [rows, vocab], so the LM head runs only on the rows that are sampled."""
 
-    config_class = LlamaConfig
+    config_class: type = LlamaConfig
+    model_class: type[nn.Module] = LlamaModel
     # Hugging Face checkpoint name -> (our fused parameter, part of it).
     packed_modules_mapping: dict[str, tuple[str, object]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -176,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_class(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -9,11 +9,15 @@ from typing import Any
 from torch import nn
 
 from rill.shard.models.llama import LlamaForCausalLM
+from rill.shard.models.phi3 import Phi3ForCausalLM
+from rill.shard.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
 }
 
 
