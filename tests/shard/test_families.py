@@ -42,6 +42,40 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": WINDOW,
+            "num_hidden_layers": 3,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": WINDOW,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0},
+            },
+        },
+    ),
+    "gemma3-softcap": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
 }
 
 
@@ -89,7 +123,7 @@ def test_family_batched_equals_alone(tmp_path: Path, name: str) -> None:
     assert torch.equal(batched[1], alone[0])
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope-windowed"])
+@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope-windowed", "gemma2", "gemma3"])
 def test_family_tensor_parallel_matches_one_shard(tmp_path: Path, name: str) -> None:
     path = family_dir(tmp_path, name)
     expected = run_calls(make_runner(path))

@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from rill.shard.models.gemma2 import Gemma2ForCausalLM
+from rill.shard.models.gemma3 import Gemma3ForCausalLM
 from rill.shard.models.llama import LlamaForCausalLM
 from rill.shard.models.phi3 import Phi3ForCausalLM
 from rill.shard.models.qwen3 import Qwen3ForCausalLM
@@ -18,6 +20,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 
