@@ -1,0 +1,66 @@
+"""Times Rill's CPU paged-attention kernel against the shard's torch reference (one layer, float32).
+
+    python -m bench.cpu_kernels [--repeats 20]
+
+Cases: a decode step of 16 sequences at context 512 and a 512-token prefill, 9 query / 3 KV heads,
+head_dim 64, block size 16. Prints the median time per call of each, and the time to read the case's K/V
+once at 30 GB/s.
+Single run on whatever else the machine is doing: a rough figure, not a controlled measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from rill.kernels import cpu
+
+from bench.kernel_cases import AttentionCase, make_case, run_attention
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def kernel_call(case: AttentionCase) -> Callable[[], torch.Tensor]:
+    cu_seqlens_q = torch.tensor(case.cu_seqlens_q, dtype=torch.int32)
+    return lambda: cpu.paged_attention(
+        case.q, case.k_pool, case.v_pool, case.block_tables, cu_seqlens_q, case.positions, case.scale
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    cpu.load()
+    cases = {
+        "decode 16 x 512": make_case([1] * 16, [512] * 16, 9, 3, 64, 16, torch.float32, device="cpu"),
+        "prefill 512": make_case([512], [512], 9, 3, 64, 16, torch.float32, device="cpu"),
+    }
+    print(f"threads: {torch.get_num_threads()}")
+    print(
+        f"{'case':<18}{'K/V MB':>8}{'read@30GB/s ms':>16}{'kernel ms':>11}{'torch ref ms':>14}{'speedup':>9}"
+    )
+    for name, case in cases.items():
+        cpu.store_kv(case.k, case.v, case.k_pool, case.v_pool, case.slot_mapping)
+        kv_bytes = 2 * sum(case.context_lens) * case.k_pool[0, 0].numel() * case.k_pool.element_size()
+        kernel = median_ms(kernel_call(case), args.repeats)
+        reference = median_ms(lambda c=case: run_attention(c, use_kernels=False), max(3, args.repeats // 5))
+        print(
+            f"{name:<18}{kv_bytes / 1e6:>8.1f}{kv_bytes / 30e9 * 1e3:>16.2f}{kernel:>11.2f}{reference:>14.1f}"
+            f"{reference / kernel:>8.0f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Rill's CPU kernels (C++17, OpenMP, AVX-512 where the CPU has it): build once, cached, and thin wrappers.
+
+The sources in rill/kernels/csrc/cpu are compiled by `torch.utils.cpp_extension.load` with
+`-O3 -march=native -fopenmp` into ~/.cache/rill/kernels/cpu-<hash>; the hash covers the sources, torch's
+version, the flags and this CPU's feature flags (the binary is tied to them by -march=native), so the first
+start builds (about a minute) and later starts only load. `python -m rill.kernels.build` builds ahead of time.
+
+Every op has a torch reference in the shard (rill/shard/layers/attention.py, rill/shard/kv_cache.py,
+rill/shard/layers/norm.py, rill/shard/layers/rotary.py, the Llama MLP); docs/kernels.md, "CPU kernels",
+says which are bitwise equal to it and why paged attention is batch-invariant. Tensors: CPU, float32 or
+bfloat16.
+This module imports nothing from rill.shard: kernels sit below the shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).resolve().parent / "csrc" / "cpu"
+SOURCES = ("binding.cpp", "attention.cpp", "elementwise.cpp")
+HEADERS = ("ops.h", "vec.h")
+# -ffp-contract=off: no implicit fused multiply-adds, so each product rounds where the torch reference rounds;
+# the kernels ask for FMAs explicitly where they want them.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
+
+logger = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    return Path.home() / ".cache" / "rill" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The `flags` line of /proc/cpuinfo (what -march=native compiles for); empty where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def build_key() -> str:
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    digest.update(f"{torch.__version__}|{' '.join(CFLAGS)}|{' '.join(LDFLAGS)}|{_cpu_flags()}".encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    return cache_root() / f"cpu-{build_key()}"
+
+
+def _library_name() -> str:
+    return f"rill_cpu_kernels_{build_key()}"
+
+
+def is_built() -> bool:
+    return (build_dir() / f"{_library_name()}.so").is_file()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be used here (None: they can), for a clear log line."""
+    if is_built():
+        return None
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler (g++/c++) on PATH to build Rill's CPU kernels"
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401 (only its presence matters: it puts the ninja binary on PATH)
+        except ImportError:
+            return "ninja not found (torch's extension builder needs it: `pip install ninja`)"
+    return None
+
+
+def is_available() -> bool:
+    """The library is cached, or it can be built (a C++ compiler and ninja are present)."""
+    return unavailable_reason() is None
+
+
+@functools.cache
+def load(verbose: bool = False) -> ModuleType:
+    """Builds (first time on this machine) or loads (cached) the extension."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    fresh = not is_built()
+    if fresh:
+        logger.info("building Rill's CPU kernels (once, ~1 min) into %s", directory)
+    start = time.perf_counter()
+    module = cpp_extension.load(
+        name=_library_name(),
+        sources=[str(CSRC / name) for name in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        verbose=verbose,
+    )
+    if fresh:
+        logger.info("built Rill's CPU kernels in %.0f s", time.perf_counter() - start)
+    return module
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention of every query row through the paged pool, in one call for the whole batch.
+
+    q: [num_tokens, num_heads, head_dim] (heads contiguous, any token stride); sequence i owns rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] and reads its keys through block_tables[i] (int64, padded with block 0);
+    a query at positions[t] = p sees its sequence's keys 0..p (with sliding_window > 0, only those
+    > p - sliding_window; with softcap > 0, scores become softcap * tanh(score / softcap)). Query head h uses
+    KV head h // (num_heads // num_kv_heads). Returns [num_tokens, num_heads, head_dim] in q's dtype; the row
+    for a query depends only on it and its keys, never on the rest of the batch or the thread count.
+    """
+    out = torch.empty(q.shape, dtype=q.dtype)
+    load().paged_attention(
+        out, q, k_pool, v_pool, block_tables, cu_seqlens_q, positions, scale, sliding_window, softcap
+    )
+    return out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes k, v [num_tokens, num_kv_heads, head_dim] into flat slots `slot_mapping` (< 0: skipped) of the
+    pools [num_blocks, block_size, num_kv_heads, head_dim], converting to the pool's dtype first."""
+    load().store_kv(k.to(k_pool.dtype), v.to(v_pool.dtype), k_pool, v_pool, slot_mapping)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rmsnorm(x + residual), x + residual), or (rmsnorm(x), None) without a residual.
+    weight must have x's dtype."""
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x's {x.dtype}")
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    res2 = None if residual is None else residual.reshape(-1, shape[-1]).contiguous()
+    out = torch.empty_like(x2)
+    residual_out = torch.empty_like(x2) if res2 is not None else out
+    load().fused_add_rms_norm(out, residual_out, x2, res2, weight.contiguous(), eps)
+    return out.view(shape), (None if res2 is None else residual_out.view(shape))
+
+
+def rotary_embedding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_factor: float = 1.0,
+) -> None:
+    """Rotates q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] in place
+    (rotate-half), cos/sin scaled by `attention_factor` (yarn, longrope). cos/sin are computed here by torch
+    exactly as the reference computes them, so the result is bitwise the reference's."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    cos = (freqs.cos() * attention_factor).to(q.dtype)
+    sin = (freqs.sin() * attention_factor).to(q.dtype)
+    load().rotary_embedding(q, k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * I] -> silu(x[:, :I]) * x[:, I:], in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty((x2.shape[0], x2.shape[1] // 2), dtype=x.dtype)
+    load().silu_and_mul(out, x2)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)

@@ -1,0 +1,233 @@
+// Torch binding of the CPU kernels (ops.h): checks devices, dtypes, shapes and layouts, raising a clear
+// RuntimeError on misuse, then dispatches on float32 / bfloat16. Outputs are allocated by the caller
+// (rill/kernels/cpu.py). Parallel regions use torch's intra-op thread count (torch.set_num_threads).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "ops.h"
+
+namespace {
+
+using rill_cpu::bf16;
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_same_dtype(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " dtype ", t.scalar_type(), " differs from ",
+              like.scalar_type());
+}
+
+// [tokens, heads, head_dim] with the last two dims contiguous; returns the token stride in elements.
+int64_t rows_stride(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.dim() == 3, name, " must be [num_tokens, num_heads, head_dim]");
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), name, " must have contiguous heads and head dims");
+  return t.stride(0);
+}
+
+void check_pool(const at::Tensor& pool, const at::Tensor& like, const char* name) {
+  check_cpu(pool, name);
+  check_same_dtype(pool, like, name);
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), name,
+              " must be a contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+}
+
+at::Tensor int64_vector(const at::Tensor& t, int64_t numel, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.numel() == numel, name, " must be a CPU tensor of ",
+              numel, " elements");
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name, " must be int32 or int64");
+  return t.to(at::kLong).contiguous();
+}
+
+int num_threads() { return at::get_num_threads(); }
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
+                     at::Tensor cu_seqlens_q, at::Tensor positions, double scale, int64_t sliding_window,
+                     double softcap) {
+  const int64_t q_stride = rows_stride(q, "q");
+  check_pool(k_pool, q, "k_pool");
+  check_pool(v_pool, q, "v_pool");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, with q's shape and dtype");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_blocks = k_pool.size(0), block_size = k_pool.size(1), num_kv_heads = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == head_dim, "pool head_dim ", k_pool.size(3), " != q head_dim ", head_dim);
+  TORCH_CHECK(head_dim % rill_cpu::kLanes == 0 && head_dim > 0, "head_dim must be a multiple of 16, got ",
+              head_dim);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads, ") must be a multiple of num_kv_heads (",
+              num_kv_heads, ")");
+  TORCH_CHECK(block_tables.device().is_cpu() && block_tables.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be a CPU int64 [num_seqs, max_blocks] with contiguous rows");
+  const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
+  const at::Tensor cu = int64_vector(cu_seqlens_q, num_seqs + 1, "cu_seqlens_q");
+  const at::Tensor pos = int64_vector(positions, num_tokens, "positions");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0");
+  // Every key a query reads goes through a block-table entry that must name a block of the pool.
+  const int64_t* cu_ptr = cu.data_ptr<int64_t>();
+  const int64_t* pos_ptr = pos.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(cu_ptr[0] == 0 && cu_ptr[num_seqs] == num_tokens, "cu_seqlens_q must run from 0 to num_tokens");
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    TORCH_CHECK(cu_ptr[seq] <= cu_ptr[seq + 1], "cu_seqlens_q must be non-decreasing");
+    int64_t last_block = -1;
+    for (int64_t t = cu_ptr[seq]; t < cu_ptr[seq + 1]; ++t) {
+      TORCH_CHECK(pos_ptr[t] >= 0, "positions must be >= 0, got ", pos_ptr[t]);
+      last_block = std::max(last_block, pos_ptr[t] / block_size);
+    }
+    TORCH_CHECK(last_block < max_blocks, "sequence ", seq, " reaches block ", last_block,
+                " but block_tables has ", max_blocks, " columns");
+    for (int64_t b = 0; b <= last_block; ++b) {
+      const int64_t block = tables[seq * block_tables.stride(0) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", seq, ", ", b, "] = ", block,
+                  " is outside the pool of ", num_blocks, " blocks");
+    }
+  }
+  rill_cpu::PagedAttentionArgs args{};
+  args.out = out.data_ptr();
+  args.q = q.data_ptr();
+  args.q_token_stride = q_stride;
+  args.k_pool = k_pool.data_ptr();
+  args.v_pool = v_pool.data_ptr();
+  args.block_size = block_size;
+  args.num_kv_heads = num_kv_heads;
+  args.num_heads = num_heads;
+  args.head_dim = head_dim;
+  args.block_tables = tables;
+  args.block_table_stride = block_tables.stride(0);
+  args.cu_seqlens_q = cu_ptr;
+  args.num_seqs = num_seqs;
+  args.positions = pos_ptr;
+  args.scale = static_cast<float>(scale);
+  args.sliding_window = sliding_window;
+  args.softcap = static_cast<float>(softcap);
+  args.num_threads = num_threads();
+  if (q.scalar_type() == at::kFloat) {
+    rill_cpu::paged_attention<float>(args);
+  } else {
+    rill_cpu::paged_attention<bf16>(args);
+  }
+}
+
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping) {
+  const int64_t k_stride = rows_stride(k, "k");
+  const int64_t v_stride = rows_stride(v, "v");
+  check_pool(k_pool, k, "k_pool");
+  check_pool(v_pool, k, "v_pool");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.sizes() == k.sizes(), "k and v must match");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
+  TORCH_CHECK(k.size(1) == k_pool.size(2) && k.size(2) == k_pool.size(3), "k rows do not match the pool");
+  const at::Tensor slots = int64_vector(slot_mapping, k.size(0), "slot_mapping");
+  const int64_t num_slots = k_pool.size(0) * k_pool.size(1);
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slot_ptr[t] < num_slots, "slot_mapping[", t, "] = ", slot_ptr[t], " is outside the pool of ",
+                num_slots, " slots");
+  const int64_t row_elems = k.size(1) * k.size(2);
+  if (k.scalar_type() == at::kFloat) {
+    rill_cpu::store_kv(k.data_ptr<float>(), k_stride, v.data_ptr<float>(), v_stride, k_pool.data_ptr<float>(),
+                       v_pool.data_ptr<float>(), slot_ptr, k.size(0), row_elems, num_threads());
+  } else {
+    rill_cpu::store_kv(static_cast<const bf16*>(k.data_ptr()), k_stride, static_cast<const bf16*>(v.data_ptr()),
+                       v_stride, static_cast<bf16*>(k_pool.data_ptr()), static_cast<bf16*>(v_pool.data_ptr()),
+                       slot_ptr, k.size(0), row_elems, num_threads());
+  }
+}
+
+template <typename T>
+T* ptr(at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+template <typename T>
+const T* optional_ptr(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? static_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
+void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, c10::optional<at::Tensor> residual,
+                        at::Tensor weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_rows, hidden]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "out must be contiguous, with x's shape and dtype");
+  check_cpu(weight, "weight");
+  check_same_dtype(weight, x, "weight");
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "weight must be a contiguous [hidden]");
+  if (residual.has_value()) {
+    check_cpu(*residual, "residual");
+    check_same_dtype(*residual, x, "residual");
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual must be like x");
+    TORCH_CHECK(residual_out.is_contiguous() && residual_out.sizes() == x.sizes() &&
+                    residual_out.scalar_type() == x.scalar_type(),
+                "residual_out must be like x");
+  }
+  if (x.scalar_type() == at::kFloat) {
+    rill_cpu::fused_add_rms_norm(ptr<float>(out), ptr<float>(residual_out), ptr<const float>(x),
+                                 optional_ptr<float>(residual), ptr<const float>(weight), x.size(0), x.size(1),
+                                 static_cast<float>(eps), num_threads());
+  } else {
+    rill_cpu::fused_add_rms_norm(ptr<bf16>(out), ptr<bf16>(residual_out), ptr<const bf16>(x),
+                                 optional_ptr<bf16>(residual), ptr<const bf16>(weight), x.size(0), x.size(1),
+                                 static_cast<float>(eps), num_threads());
+  }
+}
+
+void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
+  const int64_t q_stride = rows_stride(q, "q");
+  const int64_t k_stride = rows_stride(k, "k");
+  check_same_dtype(k, q, "k");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2), "q and k must have the same tokens and head_dim");
+  TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
+  for (const auto* t : {&cos, &sin}) {
+    check_same_dtype(*t, q, "cos/sin");
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) / 2,
+                "cos and sin must be contiguous [num_tokens, head_dim / 2]");
+  }
+  if (q.scalar_type() == at::kFloat) {
+    rill_cpu::rotary_embedding(ptr<float>(q), q_stride, q.size(1), ptr<float>(k), k_stride, k.size(1),
+                               ptr<const float>(cos), ptr<const float>(sin), q.size(0), q.size(2), num_threads());
+  } else {
+    rill_cpu::rotary_embedding(ptr<bf16>(q), q_stride, q.size(1), ptr<bf16>(k), k_stride, k.size(1),
+                               ptr<const bf16>(cos), ptr<const bf16>(sin), q.size(0), q.size(2), num_threads());
+  }
+}
+
+void silu_and_mul(at::Tensor out, at::Tensor x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x must be a contiguous [num_tokens, 2 * I]");
+  const int64_t intermediate = x.size(1) / 2;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == intermediate &&
+                  out.scalar_type() == x.scalar_type(),
+              "out must be a contiguous [num_tokens, I] of x's dtype");
+  if (x.scalar_type() == at::kFloat) {
+    rill_cpu::silu_and_mul(ptr<float>(out), ptr<const float>(x), x.size(0), intermediate, num_threads());
+  } else {
+    rill_cpu::silu_and_mul(ptr<bf16>(out), ptr<const bf16>(x), x.size(0), intermediate, num_threads());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Rill's CPU kernels (see docs/kernels.md, \"CPU kernels\")";
+  m.def("paged_attention", &paged_attention);
+  m.def("store_kv", &store_kv);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("silu_and_mul", &silu_and_mul);
+#if defined(__AVX512F__)
+  m.attr("HAS_AVX512") = true;
+#else
+  m.attr("HAS_AVX512") = false;
+#endif
+#if defined(__AVX512BF16__)
+  m.attr("HAS_AVX512_BF16") = true;
+#else
+  m.attr("HAS_AVX512_BF16") = false;
+#endif
+}

@@ -1,0 +1,131 @@
+// The CPU kernels besides attention: KV cache write, fused residual add + RMSNorm, rotary, SiLU-and-mul. Each
+// rounds to the storage type exactly where its torch reference does; all are per-row, hence batch-invariant.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "ops.h"
+
+namespace rill_cpu {
+namespace {
+
+// Below this many elements a call runs on one thread (a parallel region costs a few microseconds).
+constexpr int64_t kMinParallelElems = 1 << 15;
+
+int threads_for(int64_t num_elems, int num_threads) {
+  return num_elems >= kMinParallelElems ? std::max(1, num_threads) : 1;
+}
+
+}  // namespace
+
+template <typename T>
+void store_kv(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, T* k_pool, T* v_pool,
+              const int64_t* slots, int64_t num_tokens, int64_t row_elems, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(num_tokens * row_elems, num_threads))
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(k_pool + slots[t] * row_elems, k + t * k_token_stride, row_elems * sizeof(T));
+    std::memcpy(v_pool + slots[t] * row_elems, v + t * v_token_stride, row_elems * sizeof(T));
+  }
+}
+
+template <typename T>
+void fused_add_rms_norm(T* out, T* residual_out, const T* x, const T* residual, const T* weight,
+                        int64_t num_rows, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(num_rows * hidden, num_threads))
+  for (int64_t row = 0; row < num_rows; ++row) {
+    const T* src = x + row * hidden;
+    if (residual != nullptr) {
+      T* sum = residual_out + row * hidden;
+      const T* res = residual + row * hidden;
+      for (int64_t d = 0; d < hidden; ++d) sum[d] = from_float<T>(to_float(src[d]) + to_float(res[d]));
+      src = sum;
+    }
+    Vec16 squares = zeros();
+    int64_t d = 0;
+    for (; d + kLanes <= hidden; d += kLanes) {
+      const Vec16 v = load(src + d);
+      squares = add(squares, mul(v, v));  // squares rounded before the sum, as x.pow(2).mean() does
+    }
+    float sum_squares = reduce_add(squares);
+    for (; d < hidden; ++d) sum_squares += to_float(src[d]) * to_float(src[d]);
+    const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(hidden) + eps);
+    T* dst = out + row * hidden;
+    for (d = 0; d < hidden; ++d) {
+      const float normed = to_float(from_float<T>(to_float(src[d]) * inv_rms));
+      dst[d] = from_float<T>(to_float(weight[d]) * normed);
+    }
+  }
+}
+
+namespace {
+
+template <typename T>
+inline T round_mul(float a, float b) {
+  return from_float<T>(a * b);
+}
+
+// One row [num_heads, head_dim] rotated in place: x1' = x1 c - x2 s, x2' = x2 c + x1 s (rotate-half), each
+// product and the sum rounded to T, as `x * cos + rotate_half(x) * sin` in torch.
+template <typename T>
+void rotate_row(T* row, int64_t num_heads, const T* cos, const T* sin, int64_t half) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    T* x = row + h * 2 * half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+      const float c = to_float(cos[i]), s = to_float(sin[i]);
+      x[i] = from_float<T>(to_float(round_mul<T>(x1, c)) + to_float(round_mul<T>(-x2, s)));
+      x[i + half] = from_float<T>(to_float(round_mul<T>(x2, c)) + to_float(round_mul<T>(x1, s)));
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void rotary_embedding(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, int64_t k_token_stride,
+                      int64_t num_k_heads, const T* cos, const T* sin, int64_t num_tokens, int64_t head_dim,
+                      int num_threads) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(threads_for(num_tokens * (num_q_heads + num_k_heads) * head_dim, num_threads))
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    rotate_row(q + t * q_token_stride, num_q_heads, cos + t * half, sin + t * half, half);
+    rotate_row(k + t * k_token_stride, num_k_heads, cos + t * half, sin + t * half, half);
+  }
+}
+
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(num_tokens * intermediate, num_threads))
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const T* gate = x + t * 2 * intermediate;
+    const T* up = gate + intermediate;
+    T* dst = out + t * intermediate;
+    // 16 at a time through a float buffer, the tail zero-padded, so every element takes the vector path.
+    for (int64_t i0 = 0; i0 < intermediate; i0 += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, intermediate - i0);
+      float g[kLanes] = {}, silu[kLanes];
+      for (int64_t i = 0; i < n; ++i) g[i] = to_float(gate[i0 + i]);
+      const Vec16 gv = load(g);
+      // silu(g) = g / (1 + exp(-g))
+      const Vec16 denom = add(broadcast(1.0f), exp(sub(zeros(), gv)));
+      float denom_lanes[kLanes];
+      store(denom_lanes, denom);
+      for (int64_t i = 0; i < n; ++i) silu[i] = g[i] / denom_lanes[i];
+      for (int64_t i = 0; i < n; ++i) dst[i0 + i] = round_mul<T>(to_float(from_float<T>(silu[i])), to_float(up[i0 + i]));
+    }
+  }
+}
+
+#define RILL_INSTANTIATE(T)                                                                                    \
+  template void store_kv<T>(const T*, int64_t, const T*, int64_t, T*, T*, const int64_t*, int64_t, int64_t,   \
+                            int);                                                                             \
+  template void fused_add_rms_norm<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t, float, int);     \
+  template void rotary_embedding<T>(T*, int64_t, int64_t, T*, int64_t, int64_t, const T*, const T*, int64_t,  \
+                                    int64_t, int);                                                            \
+  template void silu_and_mul<T>(T*, const T*, int64_t, int64_t, int);
+RILL_INSTANTIATE(float)
+RILL_INSTANTIATE(bf16)
+#undef RILL_INSTANTIATE
+
+}  // namespace rill_cpu

@@ -1,0 +1,58 @@
+// Rill's CPU kernels: plain C++ over raw pointers (the torch binding in binding.cpp checks shapes, dtypes and
+// layouts first). T is float or bf16 (vec.h); arithmetic is float32. See docs/kernels.md, "CPU kernels".
+#pragma once
+
+#include <cstdint>
+
+#include "vec.h"
+
+namespace rill_cpu {
+
+struct PagedAttentionArgs {
+  void* out;                 // [num_tokens, num_heads, head_dim], contiguous
+  const void* q;             // [num_tokens, num_heads, head_dim], rows `q_token_stride` elements apart
+  int64_t q_token_stride;
+  const void* k_pool;        // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+  const void* v_pool;
+  int64_t block_size;
+  int64_t num_kv_heads;
+  int64_t num_heads;
+  int64_t head_dim;          // a multiple of 16
+  const int64_t* block_tables;  // [num_seqs, block_table_stride]
+  int64_t block_table_stride;
+  const int64_t* cu_seqlens_q;  // [num_seqs + 1]
+  int64_t num_seqs;
+  const int64_t* positions;  // [num_tokens]: a query at p sees its sequence's keys 0..p
+  float scale;
+  int64_t sliding_window;    // > 0: only keys at positions > p - sliding_window
+  float softcap;             // > 0: scores become softcap * tanh(score / softcap)
+  int num_threads;
+};
+
+template <typename T>
+void paged_attention(const PagedAttentionArgs& args);
+
+// Copies row t of k and v ([num_kv_heads * head_dim] elements each) into flat slot slots[t] of the pools;
+// negative slots are skipped.
+template <typename T>
+void store_kv(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, T* k_pool, T* v_pool,
+              const int64_t* slots, int64_t num_tokens, int64_t row_elems, int num_threads);
+
+// residual_out = x + residual (rounded to T; skipped when residual is null, then x is normalized);
+// out = weight * T(s * rsqrt(mean(s^2) + eps)) in T arithmetic, as RMSNorm in rill/shard/layers/norm.py.
+template <typename T>
+void fused_add_rms_norm(T* out, T* residual_out, const T* x, const T* residual, const T* weight,
+                        int64_t num_rows, int64_t hidden, float eps, int num_threads);
+
+// Rotate-half rotary in place on rows of q ([num_q_heads, head_dim] at q_token_stride) and k; cos/sin are
+// [num_tokens, head_dim / 2], already rounded to T. Each op rounds to T as the torch reference does.
+template <typename T>
+void rotary_embedding(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, int64_t k_token_stride,
+                      int64_t num_k_heads, const T* cos, const T* sin, int64_t num_tokens, int64_t head_dim,
+                      int num_threads);
+
+// out[t, i] = T(silu(x[t, i])) * x[t, intermediate + i], rounded to T.
+template <typename T>
+void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, int num_threads);
+
+}  // namespace rill_cpu

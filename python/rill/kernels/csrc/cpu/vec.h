@@ -1,0 +1,175 @@
+// Sixteen float lanes: one AVX-512 register when the build targets AVX-512 (-march=native on such a CPU), a
+// plain array otherwise. Every operation is lane-wise except the two reductions, whose order is fixed (a
+// halving tree), so a value computed in lane i does not depend on what the other lanes hold.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace rill_cpu {
+
+using bf16 = uint16_t;  // bfloat16 as its raw bits; arithmetic always happens in float32
+constexpr int kLanes = 16;
+using Mask = uint32_t;  // bit i: lane i
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+T from_float(float x);
+template <>
+inline float from_float<float>(float x) {
+  return x;
+}
+// Round to nearest even, NaN to the canonical quiet NaN: what torch's float -> bfloat16 conversion does.
+template <>
+inline bf16 from_float<bf16>(float x) {
+  if (std::isnan(x)) return 0x7fc0;
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<bf16>(bits >> 16);
+}
+
+// Lanes [begin, end) of a 16-lane chunk, clamped to the chunk.
+inline Mask lane_range(int begin, int end) {
+  begin = begin < 0 ? 0 : begin;
+  end = end > kLanes ? kLanes : end;
+  if (begin >= end) return 0;
+  return ((1u << (end - begin)) - 1u) << begin;
+}
+
+// exp(x) to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, a polynomial for e^r, times 2^n. Inputs below
+// -87.3 (where float32 results turn subnormal) give 0; inputs above 88.37 are clamped there.
+constexpr float kExpHi = 88.3762626647949f;
+constexpr float kExpLo = -87.3365447504f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+#if defined(__AVX512F__)
+
+struct Vec16 {
+  __m512 v;
+};
+inline Vec16 zeros() { return {_mm512_setzero_ps()}; }
+inline Vec16 broadcast(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec16 load(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline void store(float* p, Vec16 a) { _mm512_storeu_ps(p, a.v); }
+inline Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec16 sub(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec16 select(Mask m, Vec16 a, Vec16 b) {  // lane i: a where bit i is set, else b
+  return {_mm512_mask_blend_ps(static_cast<__mmask16>(m), b.v, a.v)};
+}
+inline float reduce_add(Vec16 a) {
+  const __m256 lo = _mm512_castps512_ps256(a.v);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline float reduce_max(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
+inline Vec16 exp(Vec16 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kExpLo), _CMP_LT_OQ);
+  const __m512 xc = _mm512_max_ps(_mm512_min_ps(x.v, _mm512_set1_ps(kExpHi)), _mm512_set1_ps(kExpLo));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kExpPoly[i]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
+  return {_mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), y)};
+}
+
+#else  // portable: the same lane-wise arithmetic on an array (compilers vectorize these loops)
+
+struct Vec16 {
+  float v[kLanes];
+};
+inline Vec16 broadcast(float x) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = x;
+  return r;
+}
+inline Vec16 zeros() { return broadcast(0.0f); }
+template <typename T>
+inline Vec16 load(const T* p) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = to_float(p[i]);
+  return r;
+}
+inline void store(float* p, Vec16 a) { std::memcpy(p, a.v, sizeof a.v); }
+#define RILL_LANEWISE(name, expr)                   \
+  inline Vec16 name(Vec16 a, Vec16 b) {             \
+    Vec16 r;                                        \
+    for (int i = 0; i < kLanes; ++i) r.v[i] = expr; \
+    return r;                                       \
+  }
+RILL_LANEWISE(add, a.v[i] + b.v[i])
+RILL_LANEWISE(sub, a.v[i] - b.v[i])
+RILL_LANEWISE(mul, a.v[i] * b.v[i])
+RILL_LANEWISE(max, a.v[i] > b.v[i] ? a.v[i] : b.v[i])
+#undef RILL_LANEWISE
+inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return r;
+}
+inline Vec16 select(Mask m, Vec16 a, Vec16 b) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = (m >> i) & 1u ? a.v[i] : b.v[i];
+  return r;
+}
+inline float reduce_add(Vec16 a) {
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = a.v[i] + a.v[i + 8];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+inline float reduce_max(Vec16 a) {
+  float m = a.v[0];
+  for (int i = 1; i < kLanes; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+inline Vec16 exp(Vec16 x) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) {
+    const float xc = std::fmax(std::fmin(x.v[i], kExpHi), kExpLo);
+    const float n = std::nearbyint(xc * kLog2e);
+    float t = std::fma(-n, kLn2Hi, xc);
+    t = std::fma(-n, kLn2Lo, t);
+    float y = kExpPoly[0];
+    for (int k = 1; k < 6; ++k) y = std::fma(y, t, kExpPoly[k]);
+    y = std::fma(y, t * t, t) + 1.0f;
+    r.v[i] = x.v[i] < kExpLo ? 0.0f : std::ldexp(y, static_cast<int>(n));
+  }
+  return r;
+}
+
+#endif
+
+}  // namespace rill_cpu

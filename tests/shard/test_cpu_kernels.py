@@ -1,0 +1,276 @@
+"""Rill's CPU kernels (rill/kernels/cpu.py) against the shard's torch references, and their batch invariance.
+
+These run on every machine with a C++ compiler, CI included: the first test builds the library (about a minute
+on 2 cores), later runs load it from ~/.cache/rill/kernels. Attention cases come from bench/kernel_cases.py:
+blocks in random order, NaN in the null block and in every slot past a sequence's context.
+Tolerances: float32 1e-5 relative (the kernel sums in another order than torch's matmuls), bfloat16 1e-2;
+store_kv and rotary are bitwise (same roundings in the same order); RMSNorm's residual sum is bitwise, its
+output differs only by the order of the sum of squares.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rill.kernels import cpu
+from rill.shard.kv_cache import KVCache
+from rill.shard.layers.attention import tiled_causal_attention
+from rill.shard.layers.norm import RMSNorm
+from rill.shard.layers.rotary import RotaryEmbedding
+
+from bench.kernel_cases import AttentionCase, make_case, max_relative_error
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# (query_lens, context_lens): decode rows, whole prefills, and decode rows mixed with prefill chunks over a
+# cached prefix; contexts cross the kernel's 64-key tiles and the blocks.
+BATCHES = {
+    "decode": ([1, 1, 1, 1], [17, 64, 100, 33]),
+    "prefill": ([40, 7, 70], [40, 7, 70]),
+    "mixed": ([1, 30, 1, 12], [65, 30, 129, 50]),
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns, so NaN compares equal to the same NaN."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def stored_pools(case: AttentionCase, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the case's pools with the new tokens' K/V written by the kernel or by KVCache.store_kv."""
+    if use_kernel:
+        k_pool, v_pool = case.k_pool.clone(), case.v_pool.clone()
+        cpu.store_kv(case.k, case.v, k_pool, v_pool, case.slot_mapping)
+        return k_pool, v_pool
+    num_blocks, block_size, num_kv_heads, head_dim = case.k_pool.shape
+    cache = KVCache(1, num_blocks, block_size, num_kv_heads, head_dim, case.k_pool.dtype, torch.device("cpu"))
+    cache.k[0].copy_(case.k_pool)
+    cache.v[0].copy_(case.v_pool)
+    cache.store_kv(0, case.k, case.v, case.slot_mapping)
+    return cache.k[0], cache.v[0]
+
+
+def reference_attention(case: AttentionCase, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    """The shard's reference: each sequence's K/V gathered through its block table, tiled_causal_attention."""
+    block_size = k_pool.shape[1]
+    out = torch.empty_like(case.q)
+    for i, context_len in enumerate(case.context_lens):
+        start, end = case.cu_seqlens_q[i], case.cu_seqlens_q[i + 1]
+        blocks = case.block_tables[i, : -(-context_len // block_size)]
+        k = k_pool[blocks].flatten(0, 1)[:context_len]
+        v = v_pool[blocks].flatten(0, 1)[:context_len]
+        out[start:end] = tiled_causal_attention(
+            case.q[start:end], k, v, case.positions[start:end], case.scale
+        )
+    return out
+
+
+def kernel_attention(
+    case: AttentionCase, k_pool: torch.Tensor, v_pool: torch.Tensor, **options: float
+) -> torch.Tensor:
+    cu_seqlens_q = torch.tensor(case.cu_seqlens_q, dtype=torch.int32)
+    return cpu.paged_attention(
+        case.q, k_pool, v_pool, case.block_tables, cu_seqlens_q, case.positions, case.scale, **options
+    )
+
+
+def test_builds_into_the_cache_then_loads():
+    assert cpu.is_available(), cpu.unavailable_reason()
+    module = cpu.load()
+    assert cpu.unavailable_reason() is None and cpu.is_built()
+    assert Path(module.__file__).parent == cpu.build_dir()
+    assert cpu.build_dir().name.startswith("cpu-")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_attention_matches_the_reference(block_size, head_dim, group, batch, dtype):
+    query_lens, context_lens = BATCHES[batch]
+    case = make_case(
+        query_lens, context_lens, 2 * group, 2, head_dim, block_size, dtype, device="cpu", seed=group
+    )
+    ref_k, ref_v = stored_pools(case, use_kernel=False)
+    k_pool, v_pool = stored_pools(case, use_kernel=True)
+    assert torch.equal(bits(k_pool), bits(ref_k)) and torch.equal(bits(v_pool), bits(ref_v))
+    out = kernel_attention(case, k_pool, v_pool)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    assert max_relative_error(out, reference_attention(case, ref_k, ref_v)) < TOLERANCE[dtype]
+
+
+def plain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Softmax attention of one sequence in float64, spelled out: causal mask, sliding window, softcap."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double() * scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    key_positions = torch.arange(k.shape[0])
+    hidden = key_positions[None, :] > positions[:, None]
+    if window > 0:
+        hidden |= key_positions[None, :] <= positions[:, None] - window
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 20.0), (16, 0.0), (50, 5.0), (1, 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_and_softcap_match_plain_torch(window, softcap, dtype):
+    case = make_case([1, 60, 1, 12], [65, 60, 200, 90], 6, 2, 64, 16, dtype, device="cpu", seed=3)
+    k_pool, v_pool = stored_pools(case, use_kernel=True)
+    out = kernel_attention(case, k_pool, v_pool, sliding_window=window, softcap=softcap)
+    for i, context_len in enumerate(case.context_lens):
+        start, end = case.cu_seqlens_q[i], case.cu_seqlens_q[i + 1]
+        blocks = case.block_tables[i, : -(-context_len // 16)]
+        k = k_pool[blocks].flatten(0, 1)[:context_len]
+        v = v_pool[blocks].flatten(0, 1)[:context_len]
+        expected = plain_attention(
+            case.q[start:end], k, v, case.positions[start:end], case.scale, window, softcap
+        )
+        assert max_relative_error(out[start:end], expected) < TOLERANCE[dtype]
+
+
+def sub_batch(case: AttentionCase, rows: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
+    """Call arguments for query rows given as (sequence, first token row, end token row) of `case`, each entry
+    its own sequence in the new batch (sharing the pool and block table of the original)."""
+    q = torch.cat([case.q[start:end] for _, start, end in rows])
+    positions = torch.cat([case.positions[start:end] for _, start, end in rows])
+    tables = torch.stack([case.block_tables[seq] for seq, _, _ in rows])
+    lens = torch.tensor([0] + [end - start for _, start, end in rows]).cumsum(0)
+    return q, tables, lens, positions
+
+
+def run_rows(
+    case: AttentionCase, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: list[tuple[int, int, int]]
+):
+    q, tables, lens, positions = sub_batch(case, rows)
+    return cpu.paged_attention(q, k_pool, v_pool, tables, lens, positions, case.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_alone_equals_it_inside_a_batch(dtype):
+    case = make_case([1, 30, 1, 12, 5], [65, 30, 129, 50, 300], 12, 4, 64, 16, dtype, device="cpu", seed=5)
+    k_pool, v_pool = stored_pools(case, use_kernel=True)
+    batch = kernel_attention(case, k_pool, v_pool)
+    for seq in range(len(case.context_lens)):
+        start, end = case.cu_seqlens_q[seq], case.cu_seqlens_q[seq + 1]
+        assert torch.equal(run_rows(case, k_pool, v_pool, [(seq, start, end)]), batch[start:end])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_equals_chunks_equals_decode_rows(dtype):
+    num_tokens = 300
+    case = make_case([num_tokens], [num_tokens], 9, 3, 64, 16, dtype, device="cpu", seed=7)
+    k_pool, v_pool = stored_pools(case, use_kernel=True)
+    prefill = kernel_attention(case, k_pool, v_pool)
+    # The same positions as chunks (one call, each chunk a batch entry; then each chunk its own call) ...
+    bounds = [0, 10, 37, 150, 299, num_tokens]
+    chunks = [(0, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    assert torch.equal(run_rows(case, k_pool, v_pool, chunks), prefill)
+    assert torch.equal(torch.cat([run_rows(case, k_pool, v_pool, [chunk]) for chunk in chunks]), prefill)
+    # ... and as decode rows, one query each, in reverse order.
+    decode_rows = [(0, t, t + 1) for t in reversed(range(num_tokens))]
+    assert torch.equal(run_rows(case, k_pool, v_pool, decode_rows).flip(0), prefill)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thread_count_changes_nothing(dtype):
+    case = make_case([1, 200, 1, 33], [65, 200, 129, 90], 8, 2, 128, 32, dtype, device="cpu", seed=9)
+    k_pool, v_pool = stored_pools(case, use_kernel=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel_attention(case, k_pool, v_pool)
+        torch.set_num_threads(2)
+        two = kernel_attention(case, k_pool, v_pool)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_attention_rejects_a_block_table_outside_the_pool():
+    case = make_case([1, 1], [20, 40], 4, 2, 64, 16, torch.float32, device="cpu")
+    k_pool, v_pool = stored_pools(case, use_kernel=True)
+    bad = case.block_tables.clone()
+    bad[1, 1] = case.k_pool.shape[0]
+    cu_seqlens_q = torch.tensor(case.cu_seqlens_q)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.paged_attention(case.q, k_pool, v_pool, bad, cu_seqlens_q, case.positions, case.scale)
+    far = case.positions.clone()
+    far[0] = 16 * case.block_tables.shape[1]
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu.paged_attention(case.q, k_pool, v_pool, case.block_tables, cu_seqlens_q, far, case.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_skips_negative_slots_and_rejects_slots_outside(dtype):
+    k_pool = torch.randn(4, 16, 2, 64).to(dtype)
+    v_pool = torch.randn(4, 16, 2, 64).to(dtype)
+    k, v = torch.randn(3, 2, 64).to(dtype), torch.randn(3, 2, 64).to(dtype)
+    before_k, before_v = k_pool.clone(), v_pool.clone()
+    cpu.store_kv(k, v, k_pool, v_pool, torch.tensor([17, -1, 63]))
+    assert torch.equal(k_pool[1, 1], k[0]) and torch.equal(v_pool[3, 15], v[2])
+    k_pool[1, 1], v_pool[1, 1] = before_k[1, 1], before_v[1, 1]
+    k_pool[3, 15], v_pool[3, 15] = before_k[3, 15], before_v[3, 15]
+    assert torch.equal(k_pool, before_k) and torch.equal(v_pool, before_v)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.store_kv(k, v, k_pool, v_pool, torch.tensor([0, 1, 64]))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_rmsnorm(dtype, with_residual):
+    torch.manual_seed(0)
+    hidden = 200  # not a multiple of 16: the tail takes the scalar path
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = torch.randn(hidden).to(dtype)
+    x = torch.randn(37, hidden).to(dtype)
+    residual = torch.randn(37, hidden).to(dtype) if with_residual else None
+    out, new_residual = cpu.fused_add_rms_norm(x, residual, norm.weight, 1e-6)
+    if with_residual:
+        expected, expected_residual = norm(x, residual)
+        assert torch.equal(new_residual, expected_residual)
+    else:
+        expected = norm(x)
+        assert new_residual is None
+    assert out.dtype == dtype
+    assert max_relative_error(out, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_bitwise_the_reference_in_place_on_qkv_views(dtype):
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    rotary = RotaryEmbedding(head_dim, 10000.0, None)
+    qkv = torch.randn(50, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    positions = torch.randint(0, 4000, (50,))
+    q = qkv[:, : num_heads * head_dim].view(50, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(50, num_kv_heads, head_dim)
+    expected_q, expected_k = rotary(positions, q.clone(), k.clone())
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
+    cpu.rotary_embedding(q, k, positions, rotary.inv_freq)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(33, 2 * 200) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = cpu.silu_and_mul(x)
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert max_relative_error(out, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
