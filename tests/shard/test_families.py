@@ -76,6 +76,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "final_logit_softcapping": 5.0,
         },
     ),
+    "mixtral-windowed": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3-moe-normalized": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    ),
 }
 
 
@@ -123,7 +141,9 @@ def test_family_batched_equals_alone(tmp_path: Path, name: str) -> None:
     assert torch.equal(batched[1], alone[0])
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3-longrope-windowed", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "name", ["qwen3", "phi3-longrope-windowed", "gemma2", "gemma3", "mixtral-windowed", "qwen3-moe"]
+)
 def test_family_tensor_parallel_matches_one_shard(tmp_path: Path, name: str) -> None:
     path = family_dir(tmp_path, name)
     expected = run_calls(make_runner(path))

@@ -62,6 +62,8 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
     fused: dict[str, list[tuple[object, int]]] = getattr(model, "fused_checkpoint_parts", {})
+    # A model's own name mapping (MoE experts), tried before `packed_modules_mapping`.
+    resolve = getattr(model, "resolve_checkpoint_name", lambda name: None)
     names_per_file: list[tuple[Path, list[str]]] = []
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -75,7 +77,7 @@ def load_weights(model: nn.Module, model_path: Path) -> None:
                     progress.update(1)
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
-                    target, shard_id = _resolve(name, packed)
+                    target, shard_id = resolve(name) or _resolve(name, packed)
                     if target not in params:
                         raise ValueError(
                             f"checkpoint tensor {name!r} ({file.name}) has no parameter in the model"

@@ -172,9 +172,12 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = self.attention_class(config, layer_id)
-        self.mlp = self.mlp_class(config)
+        self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config: LlamaConfig, layer_id: int) -> nn.Module:
+        return self.mlp_class(config)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None

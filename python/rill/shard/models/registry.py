@@ -11,8 +11,10 @@ from torch import nn
 from rill.shard.models.gemma2 import Gemma2ForCausalLM
 from rill.shard.models.gemma3 import Gemma3ForCausalLM
 from rill.shard.models.llama import LlamaForCausalLM
+from rill.shard.models.mixtral import MixtralForCausalLM
 from rill.shard.models.phi3 import Phi3ForCausalLM
 from rill.shard.models.qwen3 import Qwen3ForCausalLM
+from rill.shard.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -22,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "phi3": Phi3ForCausalLM,
     "gemma2": Gemma2ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 
