@@ -1,18 +1,24 @@
 // Paged attention on the CPU: one call for a whole batch of decode rows and prefill chunks.
 //
 // Work items are (sequence, tile of up to kRowsPerItem / group queries, KV head): all query heads of a KV head
-// are computed together, so each K/V row is read from memory once per item, and items run in parallel.
+// are computed together, so each K/V row is read from memory once per item, and items run in parallel. K/V
+// are read in place through the block table.
 //
 // Batch invariance (the output for one query does not depend on the rest of the call, nor on the thread
 // count): a query at position p walks the keys it sees, [lo, p] (lo = 0, or p - sliding_window + 1), in fixed
 // tiles [n * kKeyTile, (n + 1) * kKeyTile) counted from position 0, skipping tiles it has no key in, with an
-// online softmax in float32 (running max, running sum, rescaled accumulator). Each step's arithmetic order is
-// fixed by the query's own position: dot products over head_dim in 16-lane chunks reduced by a fixed tree;
-// the tile max and exp lane-wise; the tile sum in lanes by key position then the tree; the accumulator
-// lane-wise in key order. Nothing is shared between rows, and one row is never split across threads.
+// online softmax in float32 (running max, running sum, rescaled accumulator). Every step's arithmetic is fixed
+// by the query's own position and keys:
+// - score of key j: 16-lane partial products over head_dim chunks in order, then a fixed reduction tree chosen
+//   by j % 16 (reduce16); keys the query does not see enter as zeros in their own lanes only;
+// - tile max and exp lane-wise; tile sum in lanes by key position, then the fixed tree;
+// - accumulator lane-wise: rescaled, then one multiply-add per visible key in key order.
+// Rows share loads (several rows per pass over the V rows) but never arithmetic, and one row is never split
+// across threads.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -20,10 +26,19 @@
 namespace rill_cpu {
 namespace {
 
-constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
+constexpr int64_t kKeyTile = 64;      // keys per online-softmax step; a multiple of 16
 constexpr int64_t kRowsPerItem = 32;  // (query, head) rows per work item, at least one query
-constexpr int kMaxPiece = 8;         // accumulator chunks held in registers at once (128 dims)
+constexpr int kMaxPiece = 8;          // accumulator chunks of one row held in registers at once (128 dims)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// bfloat16 scores use AVX512-BF16 (pairs of bf16 products summed into float32 lanes) where the CPU has it.
+#if defined(__AVX512BF16__)
+template <typename T>
+constexpr bool kPairedBf16 = std::is_same_v<T, bf16>;
+#else
+template <typename T>
+constexpr bool kPairedBf16 = false;
+#endif
 
 struct WorkItem {
   int64_t seq;
@@ -36,114 +51,136 @@ struct WorkItem {
 template <typename T>
 struct Scratch {
   Scratch(int64_t max_rows, int64_t head_dim)
-      : q(max_rows * head_dim), acc(max_rows * head_dim), scores(kKeyTile), row_max(max_rows),
-        row_sum(max_rows), lo(max_rows), hi(max_rows), q_raw(max_rows), k_rows(kKeyTile), v_rows(kKeyTile) {}
-  std::vector<float> q;  // scaled queries, float32
-  std::vector<float> acc;
-  std::vector<float> scores;  // one row's scores, then probabilities, for the current tile
-  std::vector<float> row_max, row_sum;
-  std::vector<int64_t> lo, hi;  // the keys row r sees: [lo, hi)
+      : q(max_rows * head_dim), acc(max_rows * head_dim), probs(max_rows * kKeyTile), row_max(max_rows),
+        row_sum(max_rows), rescale(max_rows), lo(max_rows), hi(max_rows), begin(max_rows), end(max_rows),
+        active(max_rows), q_raw(max_rows), zero_row(head_dim), k_rows(kKeyTile), v_rows(kKeyTile) {}
+  std::vector<float> q;      // scaled queries, float32, [rows, head_dim]
+  std::vector<float> acc;    // [rows, head_dim]
+  std::vector<float> probs;  // this tile's scores, then probabilities, [rows, kKeyTile]
+  std::vector<float> row_max, row_sum, rescale;
+  std::vector<int64_t> lo, hi;      // the keys row r sees: positions [lo, hi)
+  std::vector<int64_t> begin, end;  // ... and within the current tile (tile-relative)
+  std::vector<int64_t> active;      // rows that see a key of the current tile
   std::vector<const T*> q_raw;
+  std::vector<T> zero_row;  // stands in for keys a row does not see
   std::vector<const T*> k_rows, v_rows;  // the current tile's K/V rows for this item's KV head
 };
 
+// Scores (scaled) of one row for the 16 keys k[0..15] of a group: lane i = q . k[i].
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t num_chunks) {
-  Vec16 sum = zeros();
-  for (int64_t c = 0; c < num_chunks; ++c) sum = fmadd(load(q + c * kLanes), load(k + c * kLanes), sum);
-  return reduce_add(sum);
-}
-
-// q . k * scale for one query row and key; bfloat16 uses AVX512-BF16 pairs of products when available.
-template <typename T>
-inline float score(const float* q_scaled, const T* /*q_raw*/, const T* k, int64_t num_chunks, float /*scale*/) {
-  return dot(q_scaled, k, num_chunks);
-}
-
+inline Vec16 group_scores(const float* q_scaled, const T* q_raw, const T* const* k, int64_t head_dim,
+                          float scale) {
+  Vec16 acc[kLanes];
+  for (int i = 0; i < kLanes; ++i) acc[i] = zeros();
+  if constexpr (kPairedBf16<T>) {
 #if defined(__AVX512BF16__)
-template <>
-inline float score<bf16>(const float*, const bf16* q_raw, const bf16* k, int64_t num_chunks, float scale) {
-  __m512 sum = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 2 <= num_chunks; c += 2) {
-    const __m512i qv = _mm512_loadu_si512(q_raw + c * kLanes);
-    const __m512i kv = _mm512_loadu_si512(k + c * kLanes);
-    sum = _mm512_dpbf16_ps(sum, (__m512bh)qv, (__m512bh)kv);
-  }
-  if (c < num_chunks) {  // one chunk of 16 left: the upper pairs load as zeros
-    const __m512i qv = _mm512_maskz_loadu_epi16(0xffff, q_raw + c * kLanes);
-    const __m512i kv = _mm512_maskz_loadu_epi16(0xffff, k + c * kLanes);
-    sum = _mm512_dpbf16_ps(sum, (__m512bh)qv, (__m512bh)kv);
-  }
-  return reduce_add({sum}) * scale;
-}
+    for (int64_t d = 0; d < head_dim; d += 2 * kLanes) {
+      const __mmask32 pairs = head_dim - d >= 2 * kLanes ? 0xffffffffu : 0xffffu;  // head_dim % 32 == 16
+      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(pairs, q_raw + d);
+      for (int i = 0; i < kLanes; ++i)
+        acc[i].v = _mm512_dpbf16_ps(acc[i].v, qv, (__m512bh)_mm512_maskz_loadu_epi16(pairs, k[i] + d));
+    }
+    return mul(reduce16(acc), broadcast(scale));
 #endif
-
-// acc[c0 * 16 .. (c0 + PIECE) * 16) = acc * rescale + sum over keys j in [begin, end), in order, of p[j] * v_j.
-template <int PIECE, typename T>
-inline void accumulate_piece(float* acc, float rescale, const float* p, const T* const* v_rows, int64_t begin,
-                             int64_t end, int64_t c0) {
-  Vec16 r[PIECE];
-  const Vec16 factor = broadcast(rescale);
-  for (int c = 0; c < PIECE; ++c) r[c] = mul(load(acc + (c0 + c) * kLanes), factor);
-  for (int64_t j = begin; j < end; ++j) {
-    const Vec16 pj = broadcast(p[j]);
-    const T* v = v_rows[j] + c0 * kLanes;
-    for (int c = 0; c < PIECE; ++c) r[c] = fmadd(pj, load(v + c * kLanes), r[c]);
+  } else {
+    for (int64_t d = 0; d < head_dim; d += kLanes) {
+      const Vec16 qv = load(q_scaled + d);
+      for (int i = 0; i < kLanes; ++i) acc[i] = fmadd(qv, load(k[i] + d), acc[i]);
+    }
   }
-  for (int c = 0; c < PIECE; ++c) store(acc + (c0 + c) * kLanes, r[c]);
+  return reduce16(acc);
 }
 
+// Row r's scores for the tile's keys [begin, end) into probs, then its online-softmax step: probabilities in
+// place of the scores, the rescale of its running state, and its running max and sum updated.
 template <typename T>
-void accumulate(float* acc, float rescale, const float* p, const T* const* v_rows, int64_t begin, int64_t end,
-                int64_t num_chunks) {
-  int64_t c0 = 0;
-  for (; c0 + kMaxPiece <= num_chunks; c0 += kMaxPiece)
-    accumulate_piece<kMaxPiece>(acc, rescale, p, v_rows, begin, end, c0);
-  switch (num_chunks - c0) {
-    case 0: break;
-    case 1: accumulate_piece<1>(acc, rescale, p, v_rows, begin, end, c0); break;
-    case 2: accumulate_piece<2>(acc, rescale, p, v_rows, begin, end, c0); break;
-    case 3: accumulate_piece<3>(acc, rescale, p, v_rows, begin, end, c0); break;
-    case 4: accumulate_piece<4>(acc, rescale, p, v_rows, begin, end, c0); break;
-    case 5: accumulate_piece<5>(acc, rescale, p, v_rows, begin, end, c0); break;
-    case 6: accumulate_piece<6>(acc, rescale, p, v_rows, begin, end, c0); break;
-    default: accumulate_piece<7>(acc, rescale, p, v_rows, begin, end, c0); break;
+void softmax_step(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
+  const int64_t begin = s.begin[r], end = s.end[r];
+  float* scores = s.probs.data() + r * kKeyTile;
+  const int64_t first_group = begin / kLanes * kLanes;
+  const T* keys[kLanes];
+  for (int64_t g0 = first_group; g0 < end; g0 += kLanes) {
+    for (int i = 0; i < kLanes; ++i) {
+      const int64_t j = g0 + i;
+      keys[i] = j >= begin && j < end ? s.k_rows[j] : s.zero_row.data();
+    }
+    store(scores + g0, group_scores(s.q.data() + r * a.head_dim, s.q_raw[r], keys, a.head_dim, a.scale));
   }
-}
-
-// One online-softmax step of row r over the tile's keys [begin, end) (tile-relative, non-empty).
-template <typename T>
-void attend_tile(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r, int64_t begin, int64_t end) {
-  const int64_t head_dim = a.head_dim;
-  const int64_t num_chunks = head_dim / kLanes;
-  const float* q = s.q.data() + r * head_dim;
-  float* scores = s.scores.data();
-  for (int64_t j = begin; j < end; ++j) {
-    float x = score(q, s.q_raw[r], s.k_rows[j], num_chunks, a.scale);
-    if (a.softcap > 0.0f) x = std::tanh(x / a.softcap) * a.softcap;
-    scores[j] = x;
+  if (a.softcap > 0.0f) {
+    for (int64_t j = begin; j < end; ++j) scores[j] = std::tanh(scores[j] / a.softcap) * a.softcap;
   }
-  // Lanes are key positions within the tile; chunks cover [begin, end) and lanes outside it are masked.
-  const int64_t first_chunk = begin / kLanes * kLanes;
   Vec16 tile_max = broadcast(kNegInf);
-  for (int64_t c0 = first_chunk; c0 < end; c0 += kLanes) {
+  for (int64_t c0 = first_group; c0 < end; c0 += kLanes) {
     const Mask valid = lane_range(static_cast<int>(begin - c0), static_cast<int>(end - c0));
     tile_max = max(tile_max, select(valid, load(scores + c0), broadcast(kNegInf)));
   }
   const float new_max = std::max(s.row_max[r], reduce_max(tile_max));
-  const float rescale = std::exp(s.row_max[r] - new_max);  // 0 on the row's first tile (max was -inf)
+  s.rescale[r] = std::exp(s.row_max[r] - new_max);  // 0 on the row's first tile (its max was -inf)
   const Vec16 shift = broadcast(new_max);
   Vec16 tile_sum = zeros();
-  for (int64_t c0 = first_chunk; c0 < end; c0 += kLanes) {
+  for (int64_t c0 = first_group; c0 < end; c0 += kLanes) {
     const Mask valid = lane_range(static_cast<int>(begin - c0), static_cast<int>(end - c0));
     const Vec16 p = select(valid, exp(sub(load(scores + c0), shift)), zeros());
     store(scores + c0, p);
     tile_sum = add(tile_sum, p);
   }
-  s.row_sum[r] = s.row_sum[r] * rescale + reduce_add(tile_sum);
-  accumulate(s.acc.data() + r * head_dim, rescale, scores, s.v_rows.data(), begin, end, num_chunks);
+  s.row_sum[r] = s.row_sum[r] * s.rescale[r] + reduce_add(tile_sum);
   s.row_max[r] = new_max;
+}
+
+// For ROWS rows at once (sharing the V loads): acc chunks [c0, c0 + PIECE) = acc * rescale, then
+// acc += p[j] * v_j for each key j the row sees in this tile, in key order.
+template <int PIECE, int ROWS, typename T>
+void accumulate(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
+  Vec16 acc[ROWS][PIECE];
+  int64_t lo = s.begin[rows[0]], hi = s.end[rows[0]];
+  for (int k = 0; k < ROWS; ++k) {
+    const int64_t r = rows[k];
+    lo = std::min(lo, s.begin[r]);
+    hi = std::max(hi, s.end[r]);
+    const Vec16 factor = broadcast(s.rescale[r]);
+    for (int c = 0; c < PIECE; ++c) acc[k][c] = mul(load(s.acc.data() + r * head_dim + (c0 + c) * kLanes), factor);
+  }
+  for (int64_t j = lo; j < hi; ++j) {
+    Vec16 v[PIECE];
+    for (int c = 0; c < PIECE; ++c) v[c] = load(s.v_rows[j] + (c0 + c) * kLanes);
+    for (int k = 0; k < ROWS; ++k) {
+      const int64_t r = rows[k];
+      if (j < s.begin[r] || j >= s.end[r]) continue;
+      const Vec16 p = broadcast(s.probs[r * kKeyTile + j]);
+      for (int c = 0; c < PIECE; ++c) acc[k][c] = fmadd(p, v[c], acc[k][c]);
+    }
+  }
+  for (int k = 0; k < ROWS; ++k) {
+    for (int c = 0; c < PIECE; ++c) store(s.acc.data() + rows[k] * head_dim + (c0 + c) * kLanes, acc[k][c]);
+  }
+}
+
+// Pairs of rows when a piece is at most 4 chunks (so 8 accumulator chains are in flight), single rows else.
+template <int PIECE, typename T>
+void accumulate_piece(Scratch<T>& s, int64_t num_active, int64_t head_dim, int64_t c0) {
+  int64_t k = 0;
+  if constexpr (PIECE <= 4) {
+    for (; k + 2 <= num_active; k += 2) accumulate<PIECE, 2>(s, s.active.data() + k, head_dim, c0);
+  }
+  for (; k < num_active; ++k) accumulate<PIECE, 1>(s, s.active.data() + k, head_dim, c0);
+}
+
+template <typename T>
+void accumulate_tile(Scratch<T>& s, int64_t num_active, int64_t head_dim) {
+  const int64_t num_chunks = head_dim / kLanes;
+  int64_t c0 = 0;
+  for (; c0 + kMaxPiece <= num_chunks; c0 += kMaxPiece) accumulate_piece<kMaxPiece>(s, num_active, head_dim, c0);
+  switch (num_chunks - c0) {
+    case 0: break;
+    case 1: accumulate_piece<1>(s, num_active, head_dim, c0); break;
+    case 2: accumulate_piece<2>(s, num_active, head_dim, c0); break;
+    case 3: accumulate_piece<3>(s, num_active, head_dim, c0); break;
+    case 4: accumulate_piece<4>(s, num_active, head_dim, c0); break;
+    case 5: accumulate_piece<5>(s, num_active, head_dim, c0); break;
+    case 6: accumulate_piece<6>(s, num_active, head_dim, c0); break;
+    default: accumulate_piece<7>(s, num_active, head_dim, c0); break;
+  }
 }
 
 template <typename T>
@@ -174,17 +211,27 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
   const T* v_pool = static_cast<const T*>(a.v_pool);
   for (int64_t tile_start = item_lo / kKeyTile * kKeyTile; tile_start < item_hi; tile_start += kKeyTile) {
     const int64_t tile_end = std::min(tile_start + kKeyTile, item_hi);
-    for (int64_t key = std::max(tile_start, item_lo); key < tile_end; ++key) {
-      const int64_t slot = table[key / a.block_size] * a.block_size + key % a.block_size;
-      const int64_t offset = (slot * a.num_kv_heads + item.kv_head) * head_dim;
-      s.k_rows[key - tile_start] = k_pool + offset;
-      s.v_rows[key - tile_start] = v_pool + offset;
+    const int64_t slot_stride = a.num_kv_heads * head_dim;
+    for (int64_t key = std::max(tile_start, item_lo); key < tile_end;) {  // a run of keys per block
+      const int64_t first_slot = key % a.block_size;
+      const int64_t run = std::min(a.block_size - first_slot, tile_end - key);
+      const int64_t offset = ((table[key / a.block_size] * a.block_size + first_slot) * a.num_kv_heads +
+                              item.kv_head) * head_dim;
+      for (int64_t i = 0; i < run; ++i) {
+        s.k_rows[key + i - tile_start] = k_pool + offset + i * slot_stride;
+        s.v_rows[key + i - tile_start] = v_pool + offset + i * slot_stride;
+      }
+      key += run;
     }
+    int64_t num_active = 0;
     for (int64_t r = 0; r < num_rows; ++r) {
-      const int64_t begin = std::max(s.lo[r], tile_start) - tile_start;
-      const int64_t end = std::min(s.hi[r], tile_end) - tile_start;
-      if (begin < end) attend_tile(a, s, r, begin, end);
+      s.begin[r] = std::max(s.lo[r], tile_start) - tile_start;
+      s.end[r] = std::min(s.hi[r], tile_end) - tile_start;
+      if (s.begin[r] >= s.end[r]) continue;
+      softmax_step(a, s, r);
+      s.active[num_active++] = r;
     }
+    accumulate_tile(s, num_active, head_dim);
   }
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < num_rows; ++r) {

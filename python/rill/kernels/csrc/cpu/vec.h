@@ -89,6 +89,25 @@ inline float reduce_add(Vec16 a) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 inline float reduce_max(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
+// out lane i = the sum of a[i]'s lanes, by a fixed tree per i (pairs of lanes, then pairs of pairs, ...); a[i]
+// enters no other lane, so what the other vectors hold never changes lane i.
+inline Vec16 reduce16(const Vec16 (&a)[kLanes]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i].v, a[2 * i + 1].v),
+                         _mm512_unpackhi_ps(a[2 * i].v, a[2 * i + 1].v));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  // c[i]'s 128-bit lane L holds sources 4i..4i+3 summed over lane group L; add the four groups.
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd))};
+}
+
 inline Vec16 exp(Vec16 x) {
   const __mmask16 underflow = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kExpLo), _CMP_LT_OQ);
   const __m512 xc = _mm512_max_ps(_mm512_min_ps(x.v, _mm512_set1_ps(kExpHi)), _mm512_set1_ps(kExpLo));
@@ -154,6 +173,12 @@ inline float reduce_max(Vec16 a) {
   float m = a.v[0];
   for (int i = 1; i < kLanes; ++i) m = a.v[i] > m ? a.v[i] : m;
   return m;
+}
+// out lane i = reduce_add(a[i]).
+inline Vec16 reduce16(const Vec16 (&a)[kLanes]) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = reduce_add(a[i]);
+  return r;
 }
 inline Vec16 exp(Vec16 x) {
   Vec16 r;
