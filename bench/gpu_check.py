@@ -19,6 +19,7 @@ import time
 import torch
 from rill import kernels
 from rill.shard.layers.attention import ForwardContext, KernelMetadata, forward_context
+from rill.shard.layers.backend import Backend, use_backend
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
 
@@ -134,20 +135,6 @@ def check_attention() -> None:
         record("prefill attention", shape[:48], error, TOLERANCE[dtype])
 
 
-def kernel_context() -> ForwardContext:
-    meta = KernelMetadata(
-        torch.ones(1, dtype=torch.int32, device="cuda"),
-        torch.arange(2, dtype=torch.int32, device="cuda"),
-        1,
-        1,
-        True,
-    )
-    empty = torch.zeros(1, dtype=torch.int64, device="cuda")
-    return ForwardContext(
-        None, [0, 1], [1], empty[None], empty, empty, meta
-    )  # norm/rotary read only `kernels`
-
-
 def check_norm_rotary() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         torch.manual_seed(0)
@@ -156,8 +143,8 @@ def check_norm_rotary() -> None:
         x = torch.randn(257, 2048, device="cuda").to(dtype)
         residual = torch.randn(257, 2048, device="cuda").to(dtype)
         expected, expected_residual = norm(x, residual)
-        with forward_context(kernel_context()):
-            actual, actual_residual = norm(x, residual)
+        norm.backend = Backend.CUDA
+        actual, actual_residual = norm(x, residual)
         error = max(
             max_relative_error(actual, expected), max_relative_error(actual_residual, expected_residual)
         )
@@ -173,12 +160,12 @@ def check_norm_rotary() -> None:
                 qkv[:, 32 * head_dim : 40 * head_dim].view(300, 8, head_dim),
             )
             out = qkv.clone()
-            with forward_context(kernel_context()):
-                rotary(
-                    positions,
-                    out[:, : 32 * head_dim].view(300, 32, head_dim),
-                    out[:, 32 * head_dim : 40 * head_dim].view(300, 8, head_dim),
-                )
+            rotary.backend = Backend.CUDA
+            rotary(
+                positions,
+                out[:, : 32 * head_dim].view(300, 32, head_dim),
+                out[:, 32 * head_dim : 40 * head_dim].view(300, 8, head_dim),
+            )
             error = max(
                 max_relative_error(out[:, : 32 * head_dim].view(300, 32, head_dim), q_ref),
                 max_relative_error(out[:, 32 * head_dim : 40 * head_dim].view(300, 8, head_dim), k_ref),
@@ -246,6 +233,7 @@ def check_end_to_end() -> None:
     )
 
     def step(use_kernels: bool):
+        use_backend(model, Backend.CUDA if use_kernels else Backend.TORCH)
         ctx = ForwardContext(
             cache,
             list(range(batch + 1)),

@@ -14,6 +14,7 @@ import torch
 from rill import kernels
 from rill.shard.kv_cache import KVCache
 from rill.shard.layers.attention import ForwardContext, KernelMetadata, PagedAttention, forward_context
+from rill.shard.layers.backend import Backend
 
 
 @dataclass
@@ -114,6 +115,7 @@ def run_attention(
     cache = _cache_for(case)
     num_heads, head_dim = case.q.shape[1:]
     layer = PagedAttention(0, num_heads, case.k_pool.shape[2], head_dim, case.scale)
+    layer.backend = Backend.CUDA if use_kernels else Backend.TORCH
     ctx = ForwardContext(
         kv_cache=cache,
         cu_seqlens_q=case.cu_seqlens_q,

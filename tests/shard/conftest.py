@@ -69,10 +69,16 @@ def hf_model(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def make_runner(path: Path, block_size: int = 4, max_total_kv_tokens: int = 1024) -> ModelRunner:
-    runner = ModelRunner(
-        ShardConfig(model_path=path, socket_path=path / "unused.sock", block_size=block_size)
+def make_runner(
+    path: Path, block_size: int = 4, max_total_kv_tokens: int = 1024, attention_backend: str = "auto"
+) -> ModelRunner:
+    config = ShardConfig(
+        model_path=path,
+        socket_path=path / "unused.sock",
+        block_size=block_size,
+        attention_backend=attention_backend,
     )
+    runner = ModelRunner(config)
     runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=max_total_kv_tokens)
     return runner
 
@@ -111,3 +117,9 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def llama_runner(llama_dir: Path) -> ModelRunner:
     return make_runner(llama_dir)
+
+
+@pytest.fixture(scope="session", params=["cpu", "torch"])
+def llama_runner_each_backend(request: pytest.FixtureRequest, llama_dir: Path) -> ModelRunner:
+    """The tiny Llama on the CPU kernels, then on the torch references."""
+    return make_runner(llama_dir, attention_backend=request.param)

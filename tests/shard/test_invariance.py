@@ -1,4 +1,5 @@
-"""Batch invariance: float32 logits are bitwise identical however a sequence is batched or chunked."""
+"""Batch invariance: float32 logits are bitwise identical however a sequence is batched or chunked, on the
+CPU kernels and on the torch references."""
 
 from __future__ import annotations
 
@@ -52,16 +53,18 @@ def scenarios(runner: ModelRunner) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("key_tile_size", [attention.KEY_TILE_SIZE, 8])
 def test_logits_bitwise_identical(
-    llama_runner: ModelRunner, key_tile_size: int, monkeypatch: pytest.MonkeyPatch
+    llama_runner_each_backend: ModelRunner, key_tile_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attention, "KEY_TILE_SIZE", key_tile_size)
-    results = scenarios(llama_runner)
+    monkeypatch.setattr(attention, "KEY_TILE_SIZE", key_tile_size)  # the torch reference's tiles
+    results = scenarios(llama_runner_each_backend)
     reference = results.pop("alone")
     for name, logits in results.items():
         assert torch.equal(logits, reference), f"{name}: max diff {(logits - reference).abs().max().item()}"
 
 
-def test_decode_steps_identical_alone_and_batched(llama_runner: ModelRunner) -> None:
+def test_decode_steps_identical_alone_and_batched(llama_runner_each_backend: ModelRunner) -> None:
+    llama_runner = llama_runner_each_backend
+
     def decode(with_others: bool) -> list[torch.Tensor]:
         others = [chunk(2, OTHER, 0, first_block=40)] if with_others else []
         out = logits_of(llama_runner, *others, chunk(1, PROMPT, 0, first_block=1))

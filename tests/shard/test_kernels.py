@@ -1,41 +1,42 @@
-"""The CUDA kernels (kernels/) against the shard's torch references, and the backend dispatch.
+"""The CUDA kernels (rill.kernels) against the shard's torch references, and the backend dispatch.
 
-CPU tests always run: the dispatch picks the references on the CPU, the fused residual + RMSNorm equals the
+CPU tests always run: the backend is chosen once per model (the CPU kernels under auto, the references when
+they cannot run or when asked), the fused residual + RMSNorm equals the
 unfused form bitwise, the decode split heuristic. GPU tests are marked `gpu` and skipped without a CUDA device
 (and nvcc); bench/gpu_check.py is the full sweep with timings.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from rill import kernels
+from rill.kernels import cpu as cpu_kernels
 from rill.launcher import shard_command
 from rill.shard.config import ShardConfig
+from rill.shard.layers.backend import Backend, KernelLayer
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
 from rill.shard.server import parse_args
 
 from bench.kernel_cases import make_case, max_relative_error, run_attention, run_attention_poisoned
 
+from .conftest import make_runner, save_tiny_model
+
 requires_gpu = pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and nvcc")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-def test_cpu_shard_uses_torch_references(tmp_path):
-    config = ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s")
-    assert config.attention_backend == "auto" and not config.uses_cuda_kernels
-    forced = ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s", attention_backend="torch")
-    assert not forced.uses_cuda_kernels
+def test_backend_flag_must_match_the_device(tmp_path):
+    assert ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s").attention_backend == "auto"
+    for backend in ("torch", "cpu"):
+        ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s", attention_backend=backend)
     with pytest.raises(ValueError, match="needs device 'cuda'"):
         ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s", attention_backend="cuda")
-
-
-def test_cuda_device_picks_kernels_unless_forced_to_torch(tmp_path):
-    cuda = dict(model_path=tmp_path, socket_path=tmp_path / "s", device="cuda")
-    assert ShardConfig(**cuda).uses_cuda_kernels
-    assert ShardConfig(**cuda, attention_backend="cuda").uses_cuda_kernels
-    assert not ShardConfig(**cuda, attention_backend="torch").uses_cuda_kernels
+    with pytest.raises(ValueError, match="needs device 'cpu'"):
+        ShardConfig(model_path=tmp_path, socket_path=tmp_path / "s", device="cuda", attention_backend="cpu")
 
 
 def test_attention_backend_flag_reaches_the_shard(tmp_path):
@@ -65,9 +66,38 @@ def test_launcher_passes_the_backend(monkeypatch, tmp_path):
         )  # fmt: skip
 
 
-def test_runner_on_cpu_uses_references_and_no_graphs(llama_runner):
-    assert not llama_runner.uses_cuda_kernels
+def kernel_layer_backends(runner) -> set[Backend]:
+    return {m.backend for m in runner.model.modules() if isinstance(m, KernelLayer)}
+
+
+def test_runner_on_cpu_picks_the_cpu_kernels_once(llama_runner):
+    assert llama_runner.backend is Backend.CPU
+    assert kernel_layer_backends(llama_runner) == {Backend.CPU}
     assert llama_runner.decode_graphs is None
+
+
+def test_torch_backend_runs_the_references(llama_dir):
+    runner = make_runner(llama_dir, attention_backend="torch")
+    assert runner.backend is Backend.TORCH and kernel_layer_backends(runner) == {Backend.TORCH}
+
+
+def test_auto_falls_back_to_torch_when_the_kernels_cannot_build(llama_dir, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C++ compiler (g++/c++) on PATH")
+    with caplog.at_level(logging.WARNING):
+        runner = make_runner(llama_dir)
+    assert runner.backend is Backend.TORCH and kernel_layer_backends(runner) == {Backend.TORCH}
+    assert "no C++ compiler (g++/c++) on PATH: using the torch references" in caplog.text
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        make_runner(llama_dir, attention_backend="cpu")
+
+
+def test_a_head_dim_the_cpu_kernel_cannot_run_keeps_the_references(tmp_path):
+    path = save_tiny_model(
+        tmp_path, hidden_size=40, num_attention_heads=2, num_key_value_heads=1
+    )  # head_dim 20
+    assert make_runner(path).backend is Backend.TORCH
+    with pytest.raises(ValueError, match="multiple of 16"):
+        make_runner(path, attention_backend="cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,8 +156,6 @@ def test_prefill_attention_matches_reference(dtype, head_dim, num_heads, num_kv_
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_and_rotary_match_reference(dtype):
-    from bench.kernel_cases import ForwardContext, forward_context  # the kernels switch on inside a context
-
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5).to(dtype).cuda()
     norm.weight.data = torch.randn(576, device="cuda").to(dtype)
@@ -141,19 +169,15 @@ def test_norm_and_rotary_match_reference(dtype):
     q_ref, k_ref = rotary(
         positions, qkv[:, : 9 * 64].view(33, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(33, 3, 64)
     )
-    case = make_case([1], [1], 4, 4, 64, 16, dtype)
-    meta_ctx = ForwardContext(
-        None, [0, 1], [1], case.block_tables, case.slot_mapping, case.positions, case.metadata()
-    )  # norm and rotary read only `kernels`
-    with forward_context(meta_ctx):
-        out, new_residual = norm(x, residual)
-        plain = norm(x)
-        qkv_kernel = qkv.clone()
-        rotary(
-            positions,
-            qkv_kernel[:, : 9 * 64].view(33, 9, 64),
-            qkv_kernel[:, 9 * 64 : 12 * 64].view(33, 3, 64),
-        )
+    norm.backend = rotary.backend = Backend.CUDA
+    out, new_residual = norm(x, residual)
+    plain = norm(x)
+    qkv_kernel = qkv.clone()
+    rotary(
+        positions,
+        qkv_kernel[:, : 9 * 64].view(33, 9, 64),
+        qkv_kernel[:, 9 * 64 : 12 * 64].view(33, 3, 64),
+    )
     assert torch.equal(new_residual, expected_residual)
     assert max_relative_error(out, expected_out) <= TOLERANCE[dtype]
     assert max_relative_error(plain, expected_plain) <= TOLERANCE[dtype]

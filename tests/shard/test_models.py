@@ -31,8 +31,8 @@ def all_position_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tens
         return runner.model.compute_logits(hidden)
 
 
-def check_against_hf(path: Path) -> None:
-    runner = make_runner(path)
+def check_against_hf(path: Path, attention_backend: str = "auto") -> None:
+    runner = make_runner(path, attention_backend=attention_backend)
     reference = hf_model(path)
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0]
@@ -45,8 +45,9 @@ def check_against_hf(path: Path) -> None:
     torch.testing.assert_close(torch.stack(got), expected[prefix - 1 :], rtol=1e-4, atol=1e-4)
 
 
-def test_llama_matches_transformers(llama_dir: Path) -> None:
-    check_against_hf(llama_dir)
+@pytest.mark.parametrize("attention_backend", ["cpu", "torch"])
+def test_llama_matches_transformers(llama_dir: Path, attention_backend: str) -> None:
+    check_against_hf(llama_dir, attention_backend)
 
 
 def test_llama3_rope_scaling_tied_embeddings_and_head_dim(tmp_path: Path) -> None:

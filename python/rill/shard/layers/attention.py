@@ -12,23 +12,27 @@ so a query gets the same result in a 1000-token prefill, a 50-token chunk or a d
 has a fixed key count (a tile is zero-padded past the context) and a row count padded to a multiple of
 ROW_MULTIPLE. Plain softmax over the whole row and F.scaled_dot_product_attention are not (measured).
 
-Backends: with `ForwardContext.kernels` set (the runner does so on CUDA unless `--attention-backend torch`),
-attention, the KV write, RMSNorm and rotary run the CUDA kernels of `kernels/`; otherwise the torch
-references here and in kv_cache.py, norm.py and rotary.py. The kernels are not batch-invariant across batch
-shapes (their decode split count depends on the batch), which the GPU's bf16 GEMMs are not either.
+Backends (backend.py, chosen once per model): `Backend.CPU` runs `rill.kernels.cpu.paged_attention`, one
+call per layer for the whole batch, batch-invariant in the same sense (each query walks its keys in fixed
+tiles from position 0; docs/kernels.md); `Backend.CUDA` the CUDA kernels, which are not batch-invariant
+across batch shapes (their decode split count depends on the batch), as the GPU's bf16 GEMMs are not
+either; `Backend.TORCH` the reference below. The CUDA kernels read `ForwardContext.kernels`, which the
+runner builds for every forward of a model on them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from rill import kernels
+from rill.kernels import cpu as cpu_kernels
 from rill.shard.kv_cache import KVCache
+from rill.shard.layers.backend import Backend, KernelLayer
 from rill.shard.layers.linear import ROW_MULTIPLE
 
 KEY_TILE_SIZE = 256
@@ -61,7 +65,12 @@ class ForwardContext:
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq], int64
     slot_mapping: torch.Tensor  # [num_tokens], int64: where each new token's K/V goes
     positions: torch.Tensor  # [num_tokens], int64
-    kernels: KernelMetadata | None = None  # set: run the CUDA kernels (see the module docstring)
+    kernels: KernelMetadata | None = None  # set for a model on the CUDA kernels
+
+    @functools.cached_property
+    def cu_seqlens_q_tensor(self) -> torch.Tensor:
+        """`cu_seqlens_q` as an int64 tensor on the positions' device, built once per forward."""
+        return torch.tensor(self.cu_seqlens_q, dtype=torch.int64, device=self.positions.device)
 
 
 _current_context: ForwardContext | None = None
@@ -83,11 +92,6 @@ def get_forward_context() -> ForwardContext:
     if _current_context is None:
         raise RuntimeError("attention called outside `forward_context`; the runner must set it")
     return _current_context
-
-
-def kernels_active() -> bool:
-    """True inside a forward pass that runs the CUDA kernels."""
-    return _current_context is not None and _current_context.kernels is not None
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +164,7 @@ def tiled_causal_attention(
     return out.reshape(num_queries, num_heads, head_dim).to(q.dtype)
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(KernelLayer):
     """Stores this layer's new K/V, then attends each sequence's queries through its block table."""
 
     def __init__(
@@ -190,8 +194,10 @@ class PagedAttention(nn.Module):
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
         ctx = get_forward_context()
         cache = ctx.kv_cache
-        if ctx.kernels is not None:
-            return self._forward_kernels(q, k, v, ctx, ctx.kernels)
+        if self.backend is Backend.CPU:
+            return self._forward_cpu(q, k, v, ctx)
+        if self.backend is Backend.CUDA:
+            return self._forward_cuda(q, k, v, ctx)
         cache.store_kv(self.layer_id, k, v, ctx.slot_mapping)
         k_pool, v_pool = cache.k[self.layer_id], cache.v[self.layer_id]
         out = torch.empty_like(q)
@@ -213,9 +219,41 @@ class PagedAttention(nn.Module):
             )
         return out
 
-    def _forward_kernels(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, meta: KernelMetadata
+    def backend_unsupported(self, backend: Backend) -> str | None:
+        if backend is Backend.CPU and self.head_dim % 16 != 0:
+            return f"the CPU attention kernel needs a head_dim that is a multiple of 16, not {self.head_dim}"
+        if backend is Backend.CUDA and (self.sliding_window or self.softcap):
+            return "the CUDA attention kernels have no sliding window or soft-capping"
+        if backend is Backend.CUDA and not kernels.supports(self.head_dim, self.num_heads, self.num_kv_heads):
+            return (
+                f"the CUDA kernels support head_dim {kernels.SUPPORTED_HEAD_DIMS} and at most "
+                f"{kernels.MAX_GROUP_SIZE} query heads per KV head, not head_dim {self.head_dim} with "
+                f"{self.num_heads} heads / {self.num_kv_heads} KV heads"
+            )
+        return None
+
+    def _forward_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        k_pool, v_pool = ctx.kv_cache.k[self.layer_id], ctx.kv_cache.v[self.layer_id]
+        cpu_kernels.store_kv(k, v, k_pool, v_pool, ctx.slot_mapping)
+        return cpu_kernels.paged_attention(
+            q,
+            k_pool,
+            v_pool,
+            ctx.block_tables,
+            ctx.cu_seqlens_q_tensor,
+            ctx.positions,
+            self.scale,
+            self.sliding_window,
+            self.softcap,
+        )
+
+    def _forward_cuda(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        meta = ctx.kernels
+        assert meta is not None, "the runner builds kernel metadata for the CUDA kernels"
         k_pool, v_pool = ctx.kv_cache.k[self.layer_id], ctx.kv_cache.v[self.layer_id]
         kernels.store_kv(k, v, k_pool, v_pool, ctx.slot_mapping)
         if meta.is_decode:

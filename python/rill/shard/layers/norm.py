@@ -2,7 +2,7 @@
 
 With a `residual`, the layer first adds it (`x + residual`, rounded to x's dtype, as the unfused
 `hidden + out` of a pre-norm block) and returns both the normalized sum and the sum, so the add fuses into
-the norm. Inside a forward that runs the CUDA kernels this is one kernel (kernels.fused_add_rms_norm).
+the norm. With a native backend (backend.py) this is one kernel call (`fused_add_rms_norm`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from rill import kernels
-from rill.shard.layers.attention import kernels_active
+from rill.kernels import cpu as cpu_kernels
+from rill.shard.layers.backend import Backend, KernelLayer
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KernelLayer):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
@@ -24,8 +25,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """rmsnorm(x), or (rmsnorm(x + residual), x + residual) when a residual is given."""
-        if kernels_active() and x.is_cuda and x.dtype == self.weight.dtype:
-            out, new_residual = kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self.backend is not Backend.TORCH and x.dtype == self.weight.dtype:
+            fused = (
+                cpu_kernels.fused_add_rms_norm if self.backend is Backend.CPU else kernels.fused_add_rms_norm
+            )
+            out, new_residual = fused(x, residual, self.weight, self.eps)
             return out if residual is None else (out, new_residual)
         if residual is None:
             return self._norm(x)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from rill import kernels
-from rill.shard.layers.attention import kernels_active
+from rill.kernels import cpu as cpu_kernels
+from rill.shard.layers.backend import Backend, KernelLayer
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -133,7 +133,7 @@ def rope_parameters(
     )
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(KernelLayer):
     """Rotates q and k by their token positions. cos/sin are computed per call: elementwise, so invariant."""
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
@@ -146,9 +146,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]. With the CUDA
-        kernels active, q and k are rotated in place and returned."""
-        if kernels_active() and q.is_cuda:
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]. With a native
+        backend, q and k are rotated in place and returned."""
+        if self.backend is Backend.CPU:
+            cpu_kernels.rotary_embedding(q, k, positions, self.inv_freq, self.attention_factor)
+            return q, k
+        if self.backend is Backend.CUDA:
             kernels.rotary_embedding(q, k, positions, self.inv_freq)
             if self.attention_factor != 1.0:  # the rotation is linear: scaling cos/sin scales its output
                 q.mul_(self.attention_factor)
