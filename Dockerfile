@@ -39,7 +39,7 @@ COPY router router
 COPY python python
 RUN maturin build --release --locked --out /wheels
 
-# ---- runtime: Python + CUDA-enabled torch + the wheel; no compiler, no Rust, no sources -----------------
+# ---- runtime: Python + CUDA-enabled torch + the wheel; no Rust, no sources -------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # PyPI's torch wheels for Linux bundle the CUDA runtime libraries (nvidia-* packages); only the driver comes
@@ -57,9 +57,12 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
     RILL_HOSTNAME=0.0.0.0 \
     RILL_PORT=8080
 # tini is PID 1: it forwards SIGTERM to the launcher (which stops the router, then the shards) and reaps
-# orphans.
+# orphans. g++ and ninja build Rill's CPU kernels (rill/kernels/csrc/cpu, -march=native): they are built below
+# for the CPU of the machine that builds the image, and a host with a different CPU rebuilds them on first start
+# (about a minute), so the compiler stays in the image (docs/kernels.md, "CPU kernels").
+# hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" \
+    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" g++ ninja-build \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # The wheel (launcher, shard package, rill-router on PATH) with its `tracing` extra (for --otlp-endpoint)
@@ -77,6 +80,8 @@ RUN useradd --create-home --home-dir /home/rill --uid 1000 --user-group --shell 
 VOLUME ["/models"]
 USER 1000:1000
 WORKDIR /home/rill
+# The CPU kernels, into $HOME/.cache/rill/kernels/cpu-<hash> (keyed by sources, torch, flags and CPU features).
+RUN python -m rill.kernels.build
 EXPOSE 8080
 # Liveness only: /health answers while the router runs. Loading a large model takes minutes: the start
 # period keeps Docker from calling it unhealthy meanwhile. (Readiness, /ready, is for load balancers.)
