@@ -3,11 +3,15 @@
 Run: python -m rill [flags]   (python -m rill --help lists them; each also reads RILL_<FLAG>)
 With no arguments it serves the built-in SmolLM2-135M-Instruct at http://127.0.0.1:8080.
 
-Sequence: parse flags once into a `LaunchConfig`; start one `python -m rill.shard.server` per rank on a unix
-socket in a private temp folder (with --num-shard N > 1 the N ranks form one torch.distributed group
-through a rendezvous file in that folder, rank r on cuda:r); wait until each answers the gRPC Health call;
-start `rill-router` (which calls Info and Warmup on the shards, then serves HTTP); wait until GET /health
-answers 200.
+Flags: the launcher declares only those it acts on (the shards', --num-shard, --restart-shards, ...); every
+other flag goes to `rill-router` unchanged, which declares it once (router/src/config.rs). Before any shard
+starts, the router checks the whole command (`--check-args`) and says where it will listen.
+
+Sequence: parse flags once into a `LaunchConfig`; check the router's flags; start one
+`python -m rill.shard.server` per rank on a unix socket in a private temp folder (with --num-shard N > 1
+the N ranks form one torch.distributed group through a rendezvous file in that folder, rank r on cuda:r);
+wait until each answers the gRPC Health call; start `rill-router` (which calls Info and Warmup on the
+shards, then serves HTTP); wait until GET /health answers 200.
 Then supervise: if any child exits, stop the others (SIGTERM, SIGKILL after a grace period) and exit
 non-zero naming it; SIGINT/SIGTERM to the launcher stop everything and exit 0.
 No orphans: on Linux every child gets a parent-death signal (SIGKILL for a shard, SIGTERM for the router),
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import json
 import logging
 import os
 import shutil
@@ -48,106 +53,115 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Every launcher flag, resolved (no `None` left): built once by `parse_args`, then passed explicitly."""
+    """The launcher's own flags, resolved (no `auto` left), and the flags it passes through to the router.
+
+    Built once by `parse_args`, then passed explicitly. The router's flags are declared only by
+    `rill-router` itself; the launcher acts on none of them."""
 
     model_id: Path
-    hostname: str
-    port: int
     num_shard: int
     device: str
     dtype: str
-    max_input_tokens: int
-    max_total_tokens: int
-    max_batch_tokens: int
-    max_batch_total_tokens: int
-    max_batch_size: int
-    kv_block_size: int
-    max_concurrent_requests: int
-    max_waiting_requests: int
-    max_queue_time: int
-    scheduling: str
-    static_batch_wait_ms: int
-    target_itl_ms: float | None
-    served_model_name: str | None
-    shutdown_timeout: int
-    prefix_caching: bool
-    preemption_mode: str  # recompute, swap or auto
-    swap_space: float  # GiB of host memory per shard for swapped-out KV blocks
-    kv_admission: str  # incremental or reserve
-    max_body_bytes: int
-    api_key: str | None  # handed to the router through its environment, never on a command line
-    json_logs: bool
-    otlp_endpoint: str | None  # OpenTelemetry collector for the router's and the shards' spans
-    log_prompts: bool
-    restart_shards: bool
+    kv_block_size: int | None  # None: the shard's default
     num_threads: int | None  # None: the shard keeps torch's default
     attention_backend: str  # auto (cuda kernels on cuda, torch on cpu), cuda or torch
+    otlp_endpoint: str | None  # OpenTelemetry collector for the shards' spans (and the router's)
+    api_key: str | None  # handed to the router through its environment, never on a command line
+    restart_shards: bool
     router_bin: Path
     log_level: str
+    router_args: tuple[str, ...]  # every other flag, in order, for rill-router to parse
+
+
+# A switch's values, as the router's clap (BoolishValueParser) reads them: one convention for both binaries.
+SWITCH_VALUES = {
+    **dict.fromkeys(("1", "y", "yes", "t", "true", "on"), True),
+    **dict.fromkeys(("0", "n", "no", "f", "false", "off"), False),
+}
+# Router flags the launcher sets itself (--model-id and --otlp-endpoint are also launcher flags).
+LAUNCHER_SET_ROUTER_FLAGS = ("--shard-socket",)
+
+
+def parse_switch(value: str) -> bool:
+    try:
+        return SWITCH_VALUES[value.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"expected true or false (or 1/0, yes/no, on/off), got {value!r}"
+        ) from None
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    """Every flag's default comes from RILL_<FLAG> when set; argparse applies `type` to it."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The launcher's own flags. Each one's default comes from RILL_<FLAG> when set (argparse applies
+    `type` to it); `--help` adds the router's flags (see `help_text`)."""
+    # allow_abbrev=False: an abbreviation must not turn a router flag into a launcher flag.
+    parser = argparse.ArgumentParser(
+        prog="python -m rill", description=__doc__.split("\n\n")[0], add_help=False, allow_abbrev=False
+    )
 
-    def flag(name: str, value_type: Callable[[str], object], default: object, help_text: str) -> None:
+    def flag(
+        name: str,
+        value_type: Callable[[str], object],
+        default: str | None,
+        help_text: str,
+        unset: str = "auto",
+    ) -> None:
         env_name = "RILL_" + name.upper().replace("-", "_")
-        shown = "auto" if default is None else default
         parser.add_argument(
             f"--{name}",
             type=value_type,
             default=environ.get(env_name, default),
-            help=f"{help_text} (env {env_name}; default: {shown})",
+            help=f"{help_text} (env {env_name}; default: {default or unset})",
         )
 
     def switch(name: str, help_text: str) -> None:
         env_name = "RILL_" + name.upper().replace("-", "_")
-        is_set = environ.get(env_name, "").lower() in ("1", "true", "yes", "on")
-        help_text = f"{help_text} (env {env_name}; default: {'on' if is_set else 'off'})"
-        parser.add_argument(f"--{name}", action="store_true", default=is_set, help=help_text)
+        parser.add_argument(
+            f"--{name}",
+            type=parse_switch,
+            nargs="?",
+            const=True,
+            default=environ.get(env_name, "false"),
+            metavar="BOOL",
+            help=f"{help_text} (env {env_name}; default: false)",
+        )
 
+    parser.add_argument(
+        "-h", "--help", action="store_true", help="show the launcher's and the router's flags"
+    )
     flag("model-id", Path, None, "Hugging Face-layout model folder; auto = built-in SmolLM2-135M-Instruct")
-    flag("hostname", str, "127.0.0.1", "address the router's HTTP server binds to")
-    flag("port", int, 8080, "port of the router's HTTP server")
-    flag("num-shard", int, 1, "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
+    flag("num-shard", int, "1", "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
     flag("device", str, None, "cpu or cuda; auto = cuda when torch sees a GPU, else cpu")
     flag("dtype", str, None, "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda")
-    flag("max-input-tokens", int, 4095, "most prompt tokens one request may have")
-    flag("max-total-tokens", int, 4096, "most tokens one request may reach, prompt + generated")
-    flag("max-batch-tokens", int, 2048, "most tokens the router puts in one forward pass (per iteration)")
-    flag("max-batch-total-tokens", int, 0, "KV cache capacity in tokens; 0 = what fits, found at warmup")
-    flag("max-batch-size", int, 64, "most sequences in one forward pass")
-    flag("kv-block-size", int, 16, "tokens per paged KV cache block")
-    flag("max-concurrent-requests", int, 128, "requests accepted at once (running + queued); beyond: 429")
-    flag("max-waiting-requests", int, 128, "requests waiting for admission at once; beyond: 429")
-    flag("max-queue-time", int, 0, "seconds a request may wait for admission (else 503); 0 = no limit")
-    flag("scheduling", str, "continuous", "continuous (iteration-level) or static (a benchmark baseline)")
-    flag("static-batch-wait-ms", int, 1000, "with --scheduling static: start a partial batch after it")
-    flag("target-itl-ms", float, None, "bound inter-token latency by sizing prompt chunks; auto = off")
-    flag("served-model-name", str, None, "model name of the OpenAI API; auto = the model folder's name")
-    flag("shutdown-timeout", int, 30, "on SIGTERM, seconds for requests in flight to finish (new: 503)")
-    switch("no-prefix-caching", "turn off the prefix cache (on by default)")
-    flag("preemption-mode", str, "auto", "recompute, swap (to host memory) or auto (the cheaper, measured)")
-    flag("swap-space", float, 4.0, "GiB of host memory per shard for swapped-out KV blocks")
-    flag("kv-admission", str, "incremental", "incremental, or reserve (prompt + max_new_tokens; a baseline)")
-    flag("max-body-bytes", int, 2 << 20, "largest request body accepted; larger ones get 413")
-    flag("api-key", str, None, "require `Authorization: Bearer <key>` on generation and tokenize routes")
-    switch("json-logs", "log one JSON object per line (router) instead of text")
-    flag("otlp-endpoint", str, None, "send OpenTelemetry traces (OTLP/HTTP) from router and shards here")
-    switch("log-prompts", "log prompts' text (never logged otherwise)")
-    switch("restart-shards", "restart the shards when one dies (requests in flight fail) instead of exiting")
+    flag("kv-block-size", int, None, "tokens per paged KV cache block; auto = the shard's default")
     flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
     flag("attention-backend", str, "auto", "cuda (kernels/) or torch (references); auto = cuda on cuda")
+    flag("otlp-endpoint", str, None, "send the shards' and the router's OpenTelemetry spans here", "off")
+    flag(
+        "api-key",
+        str,
+        None,
+        "the router's --api-key, handed to it as RILL_API_KEY, off any command line",
+        "off",
+    )
+    switch("restart-shards", "restart the shards when one dies (requests in flight fail) instead of exiting")
     flag("router-bin", Path, None, "rill-router binary; auto = on PATH, else ./target/{release,debug}/")
     flag("log-level", str, "info", "debug, info, warning or error (also RUST_LOG for the router when unset)")
     return parser
 
 
 def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> LaunchConfig:
-    """Parses flags (falling back to RILL_* variables, then defaults) and resolves every `auto` value."""
+    """Parses the launcher's flags (falling back to RILL_* variables, then defaults), resolves every
+    `auto` value and keeps every other flag for the router, which checks them (`check_router`)."""
     environ = os.environ if environ is None else environ
     parser = build_parser(environ)
-    args = parser.parse_args(argv)
+    args, router_args = parser.parse_known_args(argv)
+    if args.help:
+        print(help_text(parser, args.router_bin, environ))
+        parser.exit()
+    for name in LAUNCHER_SET_ROUTER_FLAGS:
+        if any(arg == name or arg.startswith(f"{name}=") for arg in router_args):
+            parser.error(f"{name} is set by the launcher")
     if args.num_shard < 1:
         parser.error(f"--num-shard must be >= 1, got {args.num_shard}")
     device = args.device or _default_device()
@@ -156,25 +170,12 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in ("float32", "bfloat16", "float16"):
         parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if args.scheduling not in ("continuous", "static"):
-        parser.error(f"--scheduling must be continuous or static, got {args.scheduling!r}")
-    if args.preemption_mode not in ("recompute", "swap", "auto"):
-        parser.error(f"--preemption-mode must be recompute, swap or auto, got {args.preemption_mode!r}")
-    if args.kv_admission not in ("incremental", "reserve"):
-        parser.error(f"--kv-admission must be incremental or reserve, got {args.kv_admission!r}")
-    if not args.swap_space >= 0:
-        parser.error(f"--swap-space must be >= 0 GiB, got {args.swap_space}")
     if args.attention_backend not in ("auto", "cuda", "torch"):
         parser.error(f"--attention-backend must be auto, cuda or torch, got {args.attention_backend!r}")
     if args.attention_backend == "cuda" and device != "cuda":
         parser.error("--attention-backend cuda needs --device cuda")
     if args.log_level.lower() not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, got {args.log_level!r}")
-    if not 0 < args.max_input_tokens < args.max_total_tokens:
-        parser.error(
-            f"--max-input-tokens ({args.max_input_tokens}) must be > 0 and less than "
-            f"--max-total-tokens ({args.max_total_tokens})"
-        )
     # Configured here, before the default model's first conversion logs its progress; a no-op when the
     # caller (a test) has configured logging already.
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
@@ -190,39 +191,35 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         parser.error(f"--model-id {model_id} is not a folder (expected a Hugging Face-layout model folder)")
     return LaunchConfig(
         model_id=model_id,
-        hostname=args.hostname,
-        port=args.port,
         num_shard=args.num_shard,
         device=device,
         dtype=dtype,
-        max_input_tokens=args.max_input_tokens,
-        max_total_tokens=args.max_total_tokens,
-        max_batch_tokens=args.max_batch_tokens,
-        max_batch_total_tokens=args.max_batch_total_tokens,
-        max_batch_size=args.max_batch_size,
         kv_block_size=args.kv_block_size,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_waiting_requests=args.max_waiting_requests,
-        max_queue_time=args.max_queue_time,
-        scheduling=args.scheduling,
-        static_batch_wait_ms=args.static_batch_wait_ms,
-        target_itl_ms=args.target_itl_ms,
-        served_model_name=args.served_model_name,
-        shutdown_timeout=args.shutdown_timeout,
-        prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        kv_admission=args.kv_admission,
-        max_body_bytes=args.max_body_bytes,
-        api_key=args.api_key or None,
-        json_logs=args.json_logs,
-        otlp_endpoint=args.otlp_endpoint or None,
-        log_prompts=args.log_prompts,
-        restart_shards=args.restart_shards,
         num_threads=num_threads,
         attention_backend=args.attention_backend,
+        otlp_endpoint=args.otlp_endpoint or None,
+        api_key=args.api_key or None,
+        restart_shards=args.restart_shards,
         router_bin=router_bin,
         log_level=args.log_level.lower(),
+        router_args=tuple(router_args),
+    )
+
+
+def help_text(parser: argparse.ArgumentParser, router_bin: Path | None, environ: Mapping[str, str]) -> str:
+    """The launcher's flags, then the router's as `rill-router --help` prints them."""
+    try:
+        router_bin = router_bin or find_router_bin(environ)
+        router_help = subprocess.run(
+            [str(router_bin), "--help"], capture_output=True, text=True, check=True, env=environ
+        ).stdout
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as error:
+        router_help = f"(cannot show them: {error})\n"
+    return (
+        f"{parser.format_help()}\n"
+        "Every other flag goes to rill-router unchanged and is checked by it before any shard starts; "
+        f"the launcher sets {', '.join(LAUNCHER_SET_ROUTER_FLAGS)}, --model-id and --otlp-endpoint itself. "
+        f"A switch is turned off with --switch=false.\n\nrill-router --help:\n\n{router_help}"
     )
 
 
@@ -272,11 +269,12 @@ def shard_command(
         "--socket", str(socket_path),
         "--device", config.device,
         "--dtype", config.dtype,
-        "--kv-block-size", str(config.kv_block_size),
         "--rank", str(rank),
         "--world-size", str(config.num_shard),
         "--attention-backend", config.attention_backend,
     ]  # fmt: skip
+    if config.kv_block_size is not None:
+        command += ["--kv-block-size", str(config.kv_block_size)]
     if config.num_threads is not None:
         command += ["--num-threads", str(config.num_threads)]
     if dist_init_method is not None:
@@ -286,44 +284,59 @@ def shard_command(
     return command
 
 
+@dataclass(frozen=True)
+class RouterLaunch:
+    """How to start the router, and what its dry run (`--check-args`) said about its resolved flags."""
+
+    command: list[str]
+    env: dict[str, str]
+    base_url: str  # where the launcher waits for /health
+    shutdown_timeout_s: float  # how long the router drains on SIGTERM
+
+
+class RouterFlagsError(RuntimeError):
+    """rill-router refused the flags; the message is its own."""
+
+
 def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[str]:
-    command = [
-        str(config.router_bin),
-        "--model-id", str(config.model_id),
-        "--hostname", config.hostname,
-        "--port", str(config.port),
-    ]  # fmt: skip
+    command = [str(config.router_bin), "--model-id", str(config.model_id)]
     for socket_path in socket_paths:
         command += ["--shard-socket", str(socket_path)]
-    command += [
-        "--max-input-tokens", str(config.max_input_tokens),
-        "--max-total-tokens", str(config.max_total_tokens),
-        "--max-batch-tokens", str(config.max_batch_tokens),
-        "--max-batch-total-tokens", str(config.max_batch_total_tokens),
-        "--max-batch-size", str(config.max_batch_size),
-        "--max-concurrent-requests", str(config.max_concurrent_requests),
-        "--max-waiting-requests", str(config.max_waiting_requests),
-        "--max-queue-time", str(config.max_queue_time),
-        "--scheduling", config.scheduling,
-        "--static-batch-wait-ms", str(config.static_batch_wait_ms),
-        "--shutdown-timeout", str(config.shutdown_timeout),
-        "--max-body-bytes", str(config.max_body_bytes),
-        "--preemption-mode", config.preemption_mode,
-        "--swap-space", str(config.swap_space),
-        "--kv-admission", config.kv_admission,
-    ]  # fmt: skip
-    if config.target_itl_ms:
-        command += ["--target-itl-ms", str(config.target_itl_ms)]
-    if config.served_model_name:
-        command += ["--served-model-name", config.served_model_name]
     if config.otlp_endpoint:
         command += ["--otlp-endpoint", config.otlp_endpoint]
-    switches = {
-        "--no-prefix-caching": not config.prefix_caching,
-        "--json-logs": config.json_logs,
-        "--log-prompts": config.log_prompts,
-    }
-    return command + [name for name, is_on in switches.items() if is_on]
+    return command + list(config.router_args)
+
+
+def router_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    env = {"RUST_LOG": config.log_level, **environ}
+    if config.api_key:
+        env["RILL_API_KEY"] = config.api_key
+    return env
+
+
+def check_router(
+    config: LaunchConfig, socket_paths: Sequence[Path], environ: Mapping[str, str]
+) -> RouterLaunch:
+    """Runs the router's command with `--check-args` (it parses and checks every flag and RILL_* variable,
+    then exits) before any shard starts, so a typo fails at once with the router's own message; learns the
+    address and drain time the router resolved. Raises `RouterFlagsError`."""
+    command, env = router_command(config, socket_paths), router_env(config, environ)
+    try:
+        result = subprocess.run(
+            [*command, "--check-args"], capture_output=True, text=True, env=env, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RouterFlagsError(f"cannot run {config.router_bin}: {error}") from error
+    if result.returncode != 0:
+        raise RouterFlagsError(result.stderr.strip() or f"rill-router exited with code {result.returncode}")
+    try:
+        resolved = json.loads(result.stdout)
+        host, port = resolved["addr"].rsplit(":", 1)
+        shutdown_timeout_s = float(resolved["shutdown_timeout_s"])
+    except (ValueError, KeyError, AttributeError) as error:
+        raise RouterFlagsError(f"{config.router_bin} --check-args printed {result.stdout!r}") from error
+    connect_host = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]"}.get(host, host)  # a wildcard: connect locally
+    return RouterLaunch(command, env, f"http://{connect_host}:{port}", shutdown_timeout_s)
 
 
 class ChildExited(RuntimeError):
@@ -475,49 +488,41 @@ def router_is_healthy(base_url: str) -> bool:
         return False
 
 
-def serve(config: LaunchConfig, supervisor: Supervisor) -> None:
+def serve(config: LaunchConfig, socket_dir: Path, router: RouterLaunch, supervisor: Supervisor) -> None:
     """Starts every component and supervises them until one exits or a signal arrives."""
-    with tempfile.TemporaryDirectory(prefix="rill-") as socket_dir:  # mode 0700: private sockets
-        socket_paths = [Path(socket_dir) / f"shard-{rank}.sock" for rank in range(config.num_shard)]
-        shard_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        # The ranks rendezvous through a file in the private folder: no port to pick, nothing to race for.
-        dist_init_method = f"file://{socket_dir}/dist-init" if config.num_shard > 1 else None
+    socket_paths = [socket_dir / f"shard-{rank}.sock" for rank in range(config.num_shard)]
+    shard_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    # The ranks rendezvous through a file in the private folder: no port to pick, nothing to race for.
+    dist_init_method = f"file://{socket_dir}/dist-init" if config.num_shard > 1 else None
 
-        def start_shards() -> None:
-            Path(socket_dir, "dist-init").unlink(missing_ok=True)  # a stale rendezvous file hangs a restart
-            for rank, socket_path in enumerate(socket_paths):
-                command = shard_command(config, socket_path, rank, dist_init_method)
-                supervisor.start(f"shard-{rank}", command, shard_env)
-            for rank, socket_path in enumerate(socket_paths):
-                is_ready = functools.partial(shard_is_healthy, socket_path)
-                supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)
-                logger.info("shard-%d is healthy", rank)
+    def start_shards() -> None:
+        (socket_dir / "dist-init").unlink(missing_ok=True)  # a stale rendezvous file hangs a restart
+        for rank, socket_path in enumerate(socket_paths):
+            command = shard_command(config, socket_path, rank, dist_init_method)
+            supervisor.start(f"shard-{rank}", command, shard_env)
+        for rank, socket_path in enumerate(socket_paths):
+            is_ready = functools.partial(shard_is_healthy, socket_path)
+            supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)
+            logger.info("shard-%d is healthy", rank)
 
-        start_shards()
+    start_shards()
 
-        router_env = {"RUST_LOG": config.log_level, **os.environ}
-        if config.api_key:
-            router_env["RILL_API_KEY"] = config.api_key
-        # SIGTERM: an orphaned router fails its requests with an error (its shards die too) and exits.
-        supervisor.start("router", router_command(config, socket_paths), router_env, signal.SIGTERM)
-        connect_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(config.hostname, config.hostname)
-        if ":" in connect_host and not connect_host.startswith("["):
-            connect_host = f"[{connect_host}]"
-        base_url = f"http://{connect_host}:{config.port}"
-        is_ready = functools.partial(router_is_healthy, base_url)
-        supervisor.wait_until(is_ready, "router", ROUTER_START_TIMEOUT_S)
-        logger.info("Rill is serving %s at http://%s:%d", config.model_id, config.hostname, config.port)
-        while True:
-            try:
-                supervisor.supervise()
-            except ChildExited as error:
-                if not (config.restart_shards and error.name.startswith("shard-")):
-                    raise
-                # A tensor-parallel group cannot lose a rank: every shard restarts. The router fails the
-                # requests in flight, waits for the shards, warms them up again and carries on.
-                logger.error("%s; restarting the shards (--restart-shards)", error)
-                supervisor.stop_group([name for name in supervisor.children if name.startswith("shard-")])
-                start_shards()
+    # SIGTERM: an orphaned router fails its requests with an error (its shards die too) and exits.
+    supervisor.start("router", router.command, router.env, signal.SIGTERM)
+    is_ready = functools.partial(router_is_healthy, router.base_url)
+    supervisor.wait_until(is_ready, "router", ROUTER_START_TIMEOUT_S)
+    logger.info("Rill is serving %s at %s", config.model_id, router.base_url)
+    while True:
+        try:
+            supervisor.supervise()
+        except ChildExited as error:
+            if not (config.restart_shards and error.name.startswith("shard-")):
+                raise
+            # A tensor-parallel group cannot lose a rank: every shard restarts. The router fails the
+            # requests in flight, waits for the shards, warms them up again and carries on.
+            logger.error("%s; restarting the shards (--restart-shards)", error)
+            supervisor.stop_group([name for name in supervisor.children if name.startswith("shard-")])
+            start_shards()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -530,16 +535,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    # On a signal the router drains requests in flight (--shutdown-timeout); after a crash it need not.
-    router_grace_s = STOP_GRACE_S
-    try:
-        serve(config, supervisor)
-    except ShutdownRequested:
-        router_grace_s = config.shutdown_timeout + STOP_GRACE_S
-    except (ChildExited, TimeoutError) as error:
-        logger.error("%s; stopping Rill", error)
-        return 1
-    finally:
-        supervisor.stop_all(router_grace_s)
+    with tempfile.TemporaryDirectory(prefix="rill-") as socket_dir:  # mode 0700: private sockets
+        socket_paths = [Path(socket_dir) / f"shard-{rank}.sock" for rank in range(config.num_shard)]
+        try:
+            router = check_router(config, socket_paths, os.environ)
+        except RouterFlagsError as error:
+            print(
+                f"{error}\n\n(rill-router refused these flags; python -m rill --help lists them)",
+                file=sys.stderr,
+            )
+            return 2
+        # On a signal the router drains requests in flight (--shutdown-timeout); after a crash it need not.
+        router_grace_s = STOP_GRACE_S
+        try:
+            serve(config, Path(socket_dir), router, supervisor)
+        except ShutdownRequested:
+            router_grace_s = router.shutdown_timeout_s + STOP_GRACE_S
+        except (ChildExited, TimeoutError) as error:
+            logger.error("%s; stopping Rill", error)
+            return 1
+        finally:
+            supervisor.stop_all(router_grace_s)
     logger.info("Rill stopped")
     return 0

@@ -2,108 +2,132 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::{Parser, ValueEnum};
+use clap::{builder::BoolishValueParser, Arg, ArgAction, Parser, ValueEnum};
 
 use crate::scheduler::{KvAdmission, PreemptionMode};
 
 /// rill-router: Rill's HTTP server, scheduler and KV block owner. Normally started by the launcher (`python -m rill`),
 /// which starts the shards first; the router connects to them, sizes the KV pool (Warmup) and serves.
+//
+// This struct is the one declaration of the router's flags: the launcher passes every flag it does not
+// act on through unchanged, and the README's flag table is generated from `--help` (docs/flags.py). Each
+// flag reads `RILL_<FLAG>` when not given on the command line (a test checks that every flag has it); a
+// switch is turned off with `--switch=false` (see `switch_takes_a_value`).
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, mut_args = switch_takes_a_value)]
 pub struct Args {
     /// Hugging Face-layout model folder (tokenizer.json is read from it).
-    #[arg(long)]
+    #[arg(long, env = "RILL_MODEL_ID")]
     pub model_id: PathBuf,
     /// Model name of the OpenAI API (`/v1/models`, the `model` field); default: the model folder's name.
-    #[arg(long)]
+    #[arg(long, env = "RILL_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, env = "RILL_HOSTNAME", default_value = "127.0.0.1")]
     pub hostname: String,
     /// Port to listen on.
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, env = "RILL_PORT", default_value_t = 8080)]
     pub port: u16,
     /// Unix socket of a shard rank, once per rank, rank 0 first.
-    #[arg(long = "shard-socket", required = true)]
+    #[arg(long = "shard-socket", env = "RILL_SHARD_SOCKET", required = true)]
     pub shard_sockets: Vec<PathBuf>,
     /// Longest prompt accepted, in tokens.
-    #[arg(long, default_value_t = 4095)]
+    #[arg(long, env = "RILL_MAX_INPUT_TOKENS", default_value_t = 4095)]
     pub max_input_tokens: u32,
     /// Most tokens of one request, prompt plus generated.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, env = "RILL_MAX_TOTAL_TOKENS", default_value_t = 4096)]
     pub max_total_tokens: u32,
     /// Most tokens computed in one forward pass (one iteration); longer prompts are prefilled in chunks.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, env = "RILL_MAX_BATCH_TOKENS", default_value_t = 2048)]
     pub max_batch_tokens: u32,
     /// KV capacity in tokens over all sequences; 0 lets the shards size it from free memory at warmup.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "RILL_MAX_BATCH_TOTAL_TOKENS", default_value_t = 0)]
     pub max_batch_total_tokens: u64,
     /// Most sequences in one forward pass.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, env = "RILL_MAX_BATCH_SIZE", default_value_t = 64)]
     pub max_batch_size: u32,
     /// Most sequences in the server at once (waiting or running); more get 429 at once.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "RILL_MAX_CONCURRENT_REQUESTS", default_value_t = 128)]
     pub max_concurrent_requests: u32,
     /// Most requests waiting for admission; more get 429 at once.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "RILL_MAX_WAITING_REQUESTS", default_value_t = 128)]
     pub max_waiting_requests: u32,
     /// Seconds a request may wait for admission before it fails with 503; 0 = no limit.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "RILL_MAX_QUEUE_TIME", default_value_t = 0)]
     pub max_queue_time: u64,
     /// Most stop sequences one request may give.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, env = "RILL_MAX_STOP_SEQUENCES", default_value_t = 4)]
     pub max_stop_sequences: u32,
     /// How batches form: `continuous` (iteration-level) or `static` (a baseline for benchmarks).
-    #[arg(long, value_enum, default_value_t = Scheduling::Continuous)]
+    #[arg(long, env = "RILL_SCHEDULING", value_enum, default_value_t = Scheduling::Continuous)]
     pub scheduling: Scheduling,
     /// With `--scheduling static`: start a partial batch once its oldest request waited this long.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, env = "RILL_STATIC_BATCH_WAIT_MS", default_value_t = 1000)]
     pub static_batch_wait_ms: u64,
     /// Keep running streams' inter-token latency under this target by sizing prompt chunks from the
     /// step time measured at warmup and while serving; unset = a fixed --max-batch-tokens budget.
-    #[arg(long)]
+    #[arg(long, env = "RILL_TARGET_ITL_MS")]
     pub target_itl_ms: Option<f64>,
     /// How a preempted sequence gives up its KV blocks: `recompute` (free them; recompute its K/V when it
     /// resumes), `swap` (copy them to the host swap pool and back when room returns; recompute when the
     /// swap pool is full) or `auto` (swap when the swap pool has room and copying is cheaper than
     /// recomputing, as the shards measured at warmup).
-    #[arg(long, value_enum, default_value_t = PreemptionModeArg::Auto)]
+    #[arg(long, env = "RILL_PREEMPTION_MODE", value_enum, default_value_t = PreemptionModeArg::Auto)]
     pub preemption_mode: PreemptionModeArg,
     /// Host memory for the swap pool, in GiB per shard (pinned on a GPU); unused with
     /// `--preemption-mode recompute`.
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, env = "RILL_SWAP_SPACE", default_value_t = 4.0)]
     pub swap_space: f64,
     /// How admission claims KV blocks: `incremental` (as tokens are computed; preempt when the pool runs
     /// out) or `reserve` (TGI's policy, a benchmark baseline: reserve prompt + max_new_tokens at
     /// admission, never preempt).
-    #[arg(long, value_enum, default_value_t = KvAdmissionArg::Incremental)]
+    #[arg(long, env = "RILL_KV_ADMISSION", value_enum, default_value_t = KvAdmissionArg::Incremental)]
     pub kv_admission: KvAdmissionArg,
     /// Turn off the prefix cache (on by default: computed prompt blocks are kept and reused).
-    #[arg(long)]
+    #[arg(long, env = "RILL_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
     /// On SIGTERM: refuse new requests (503) and let requests in flight finish for up to this many seconds.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, env = "RILL_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
     /// Require `Authorization: Bearer <key>` on the generation and tokenization routes (health, readiness
     /// and metrics stay open). Read from the environment so the key never shows in a process list.
     #[arg(long, env = "RILL_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Largest request body accepted, in bytes; larger ones get 413.
-    #[arg(long, default_value_t = 2 << 20)]
+    #[arg(long, env = "RILL_MAX_BODY_BYTES", default_value_t = 2 << 20)]
     pub max_body_bytes: usize,
     /// Log each prompt's text (never logged otherwise).
-    #[arg(long)]
+    #[arg(long, env = "RILL_LOG_PROMPTS")]
     pub log_prompts: bool,
     /// Log one JSON object per line (request id, timings, outcome as fields) instead of text.
-    #[arg(long)]
+    #[arg(long, env = "RILL_JSON_LOGS")]
     pub json_logs: bool,
     /// Send OpenTelemetry spans (request, queue, step) over OTLP/HTTP to this collector, e.g.
     /// `http://localhost:4318` (spans go to `URL/v1/traces`); the shards join the same traces.
-    #[arg(long)]
+    #[arg(long, env = "RILL_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
     /// Seconds to wait for the shards' sockets to answer at start.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, env = "RILL_SHARD_CONNECT_TIMEOUT", default_value_t = 60)]
     pub shard_connect_timeout: u64,
+    /// Check the flags, print what the launcher needs of them as one JSON line and exit (0, or non-zero
+    /// with the error), without connecting to the shards. The launcher runs this before it starts them.
+    #[arg(long)]
+    pub check_args: bool,
+}
+
+/// The one convention for switches (`bool` flags), in both binaries: `--switch` turns it on,
+/// `--switch=false` (or `--switch false`) turns it off, and `RILL_<SWITCH>` takes 1/0, true/false,
+/// yes/no or on/off, so a switch set in the environment can be turned off on the command line.
+fn switch_takes_a_value(arg: Arg) -> Arg {
+    if !matches!(arg.get_action(), ArgAction::SetTrue) {
+        return arg;
+    }
+    arg.action(ArgAction::Set)
+        .num_args(0..=1)
+        .value_name("BOOL")
+        .default_value("false")
+        .default_missing_value("true")
+        .value_parser(BoolishValueParser::new())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -248,5 +272,67 @@ impl Config {
                 kv_admission: args.kv_admission.into(),
             },
         })
+    }
+
+    /// What `--check-args` prints: the facts the launcher acts on (where to wait for `/health`, how long
+    /// the router drains on SIGTERM), as the router resolved them from flag, `RILL_*` variable or default.
+    pub fn launcher_view(&self) -> String {
+        serde_json::json!({
+            "addr": self.addr.to_string(),
+            "shutdown_timeout_s": self.shutdown_timeout.as_secs(),
+        })
+        .to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    #[test]
+    fn every_flag_reads_its_rill_variable() {
+        for arg in Args::command().get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            // --check-args is a dry run: from the environment it would stop every start.
+            if ["help", "version", "check-args"].contains(&long) {
+                continue;
+            }
+            let expected = format!("RILL_{}", long.to_uppercase().replace('-', "_"));
+            assert_eq!(
+                arg.get_env().and_then(|env| env.to_str()),
+                Some(expected.as_str()),
+                "--{long}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_switch_turns_off_with_false() {
+        let parse = |flags: &[&str]| {
+            let base = ["rill-router", "--model-id", "m", "--shard-socket", "s"];
+            Args::try_parse_from(base.iter().chain(flags)).map(|args| args.json_logs)
+        };
+        assert!(!parse(&[]).unwrap());
+        assert!(parse(&["--json-logs"]).unwrap());
+        assert!(parse(&["--json-logs=true", "--port", "1"]).unwrap());
+        assert!(!parse(&["--json-logs=false"]).unwrap());
+        assert!(!parse(&["--json-logs", "off"]).unwrap());
+        assert!(parse(&["--json-logs=maybe"]).is_err());
+    }
+
+    #[test]
+    fn a_switch_set_in_the_environment_turns_off_on_the_command_line() {
+        // No other test reads RILL_LOG_PROMPTS.
+        std::env::set_var("RILL_LOG_PROMPTS", "1");
+        let parse = |flags: &[&str]| {
+            let base = ["rill-router", "--model-id", "m", "--shard-socket", "s"];
+            Args::try_parse_from(base.iter().chain(flags)).map(|args| args.log_prompts)
+        };
+        let (from_env, turned_off) = (parse(&[]), parse(&["--log-prompts=false"]));
+        std::env::remove_var("RILL_LOG_PROMPTS");
+        assert!(from_env.unwrap());
+        assert!(!turned_off.unwrap());
     }
 }

@@ -30,6 +30,10 @@ use rill_router::{
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.check_args {
+        println!("{}", Config::from_args(args)?.launcher_view());
+        return Ok(());
+    }
     // Dropped last, on every way out of `main`: flushes the spans still buffered.
     let _telemetry = telemetry::init(args.json_logs, args.otlp_endpoint.as_deref())?;
     let config = Config::from_args(args)?;
