@@ -5,6 +5,8 @@ against each (back to back, in one run), and prints the ratios that the README r
     python -m bench.suite itl          # ITL while 4,000-token prompts arrive, with/without --target-itl-ms
     python -m bench.suite overhead     # share of each step outside the model forward at 1, 8, 32 sequences
     python -m bench.suite prefix-cache # shared prefix, 4-turn chat and random prompts, cache on vs off
+    python -m bench.suite roofline     # memory bandwidth, GEMM rate, decode steps and prefill vs their floor
+    python -m bench.suite peers        # Rill vs llama.cpp's server, same model, workload and machine
 
 Every suite runs the default model on the CPU unless `--device`/`--model-id` say otherwise; `--json PATH`
 keeps every figure. The machine is shared and noisy: compare ratios measured in one run, not absolutes.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import cli
+from bench import cli, peers, roofline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +43,7 @@ class Server:
     log: Path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -55,7 +57,7 @@ def _get(url: str) -> str:
 @contextmanager
 def rill(args: argparse.Namespace, name: str, *flags: str) -> Iterator[Server]:
     """A Rill server started with `python -m rill` and these extra flags; stopped with SIGTERM on exit."""
-    port = _free_port()
+    port = free_port()
     log = Path(tempfile.gettempdir()) / f"rill-bench-{name}-{port}.log"
     command = [sys.executable, "-m", "rill", "--port", str(port), "--device", args.device,
                "--num-threads", str(args.num_threads), *flags]  # fmt: skip
@@ -116,7 +118,14 @@ def bench(args: argparse.Namespace, *argv: str, seed: int | None = None) -> dict
 def compare(
     args: argparse.Namespace, a: Server, b: Server, *argv: str, seed: int | None = None
 ) -> dict[str, Any]:
-    return bench(args, "compare", "--a", f"a={a.url}", "--b", f"b={b.url}", "--no-progress", *argv, seed=seed)
+    return compare_urls(args, a.url, b.url, *argv, seed=seed)
+
+
+def compare_urls(
+    args: argparse.Namespace, a_url: str, b_url: str, *argv: str, seed: int | None = None
+) -> dict[str, Any]:
+    """`python -m bench compare` of two servers, back to back (ratios b/a)."""
+    return bench(args, "compare", "--a", f"a={a_url}", "--b", f"b={b_url}", "--no-progress", *argv, seed=seed)
 
 
 def ratio(value: float | None) -> str:
@@ -261,6 +270,8 @@ SUITES = {
     "itl": suite_itl,
     "overhead": suite_overhead,
     "prefix-cache": suite_prefix_cache,
+    "roofline": roofline.run,
+    "peers": peers.run,
 }
 
 
@@ -279,6 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for exact prompt lengths")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="roofline, peers: the model's dtype (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5, help="roofline: timed steps per point")
+    parser.add_argument("--plot", type=Path, help="roofline: save the step-time plot here (PNG)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
