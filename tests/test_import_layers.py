@@ -24,12 +24,11 @@ LAYERS: list[tuple[str, ...]] = [
         "rill.shard.distributed",
         "rill.shard.sampling",
         "rill.shard.telemetry",
-        "rill.shard.default_model",
     ),
     ("rill.shard.config", "rill.shard.kv_cache", "rill.shard.batch"),
     ("rill.shard.layers",),
     ("rill.shard.models", "rill.shard.weights"),
-    ("rill.shard.cuda_graphs",),
+    ("rill.shard.cuda_graphs", "rill.shard.default_model"),  # built on the models
     ("rill.shard.runner",),
     ("rill.shard.server",),
     ("rill.launcher", "rill.__main__"),
