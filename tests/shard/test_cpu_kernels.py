@@ -249,18 +249,20 @@ def test_fused_add_rms_norm_matches_rmsnorm(dtype, with_residual):
     assert max_relative_error(out, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("attention_factor", [1.0, 1.25])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_is_bitwise_the_reference_in_place_on_qkv_views(dtype):
+def test_rotary_is_bitwise_the_reference_in_place_on_qkv_views(dtype, attention_factor):
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim = 6, 2, 64
     rotary = RotaryEmbedding(head_dim, 10000.0, None)
+    rotary.attention_factor = attention_factor  # what YaRN / LongRoPE scaling sets
     qkv = torch.randn(50, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
     positions = torch.randint(0, 4000, (50,))
     q = qkv[:, : num_heads * head_dim].view(50, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(50, num_kv_heads, head_dim)
     expected_q, expected_k = rotary(positions, q.clone(), k.clone())
     v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
-    cpu.rotary_embedding(q, k, positions, rotary.inv_freq)
+    cpu.rotary_embedding(q, k, positions, rotary.inv_freq, attention_factor)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
 
