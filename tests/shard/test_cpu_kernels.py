@@ -101,6 +101,16 @@ def test_attention_matches_the_reference(block_size, head_dim, group, batch, dty
     assert max_relative_error(out, reference_attention(case, ref_k, ref_v)) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 80, 256])
+def test_attention_takes_any_head_dim_multiple_of_16(head_dim, dtype):
+    query_lens, context_lens = BATCHES["mixed"]
+    case = make_case(query_lens, context_lens, 6, 2, head_dim, 16, dtype, device="cpu", seed=head_dim)
+    k_pool, v_pool = stored_pools(case, use_kernel=True)
+    expected = reference_attention(case, k_pool, v_pool)
+    assert max_relative_error(kernel_attention(case, k_pool, v_pool), expected) < TOLERANCE[dtype]
+
+
 def plain_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -215,11 +215,13 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Rill's CPU kernels (see docs/kernels.md, \"CPU kernels\")";
-  m.def("paged_attention", &paged_attention);
-  m.def("store_kv", &store_kv);
-  m.def("fused_add_rms_norm", &fused_add_rms_norm);
-  m.def("rotary_embedding", &rotary_embedding);
-  m.def("silu_and_mul", &silu_and_mul);
+  // The kernels touch only tensor memory: other Python threads (the shard's gRPC server) run meanwhile.
+  const auto release_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention", &paged_attention, release_gil);
+  m.def("store_kv", &store_kv, release_gil);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, release_gil);
+  m.def("rotary_embedding", &rotary_embedding, release_gil);
+  m.def("silu_and_mul", &silu_and_mul, release_gil);
 #if defined(__AVX512F__)
   m.attr("HAS_AVX512") = true;
 #else
