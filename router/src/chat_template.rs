@@ -98,8 +98,14 @@ impl ChatTemplate {
         })
     }
 
-    /// Renders a conversation into the prompt text the model was trained on.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
+    /// Renders a conversation into the prompt text the model was trained on. `extra` holds further
+    /// template variables (the request's `chat_template_kwargs`, `tools`, ...); the standard ones win.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatTemplateError> {
         let mut flat = Vec::with_capacity(messages.len());
         for message in messages {
             let content = match &message.content {
@@ -129,6 +135,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
+                ..minijinja::Value::from_serialize(extra)
             })
             .map_err(|e| ChatTemplateError::Render(e.to_string()))
     }
@@ -162,6 +169,7 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
                     message("user", "bye"),
                 ],
                 true,
+                &serde_json::Map::new(),
             )
             .expect("renders");
         assert_eq!(
@@ -176,7 +184,9 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
         let source =
             "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('must start with user') }}{% endif %}";
         let template = ChatTemplate::new(source.into(), String::new(), String::new()).expect("valid");
-        let error = template.render(&[message("assistant", "x")], false).unwrap_err();
+        let error = template
+            .render(&[message("assistant", "x")], false, &serde_json::Map::new())
+            .unwrap_err();
         assert!(error.to_string().contains("must start with user"), "{error}");
     }
 
@@ -189,8 +199,26 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
         )
         .expect("valid");
         assert_eq!(
-            template.render(&[message("user", "x")], false).expect("renders"),
+            template
+                .render(&[message("user", "x")], false, &serde_json::Map::new())
+                .expect("renders"),
             "<s>x</s>"
+        );
+    }
+
+    #[test]
+    fn extra_variables_reach_the_template_but_do_not_override_the_standard_ones() {
+        let template = ChatTemplate::new(
+            "{{ bos_token }}{% if enable_thinking is false %}no-think{% endif %}".into(),
+            "<s>".into(),
+            "</s>".into(),
+        )
+        .expect("valid");
+        let extra = serde_json::json!({"enable_thinking": false, "bos_token": "<evil>"});
+        let extra = extra.as_object().expect("an object");
+        assert_eq!(
+            template.render(&[message("user", "x")], false, extra).expect("renders"),
+            "<s>no-think"
         );
     }
 }

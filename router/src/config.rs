@@ -96,6 +96,10 @@ pub struct Args {
     /// Largest request body accepted, in bytes; larger ones get 413.
     #[arg(long, env = "RILL_MAX_BODY_BYTES", default_value_t = 2 << 20)]
     pub max_body_bytes: usize,
+    /// Let browser pages from this origin call the API (CORS), e.g. `https://app.example.com`; repeat the
+    /// flag for several origins, or give `*` for any. Off by default: no CORS headers, preflights get 405.
+    #[arg(long = "cors-allow-origin", env = "RILL_CORS_ALLOW_ORIGIN", value_name = "ORIGIN")]
+    pub cors_allow_origins: Vec<String>,
     /// Log each prompt's text (never logged otherwise).
     #[arg(long, env = "RILL_LOG_PROMPTS")]
     pub log_prompts: bool,
@@ -207,6 +211,8 @@ pub struct Config {
     pub shutdown_timeout: Duration,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
+    /// Origins allowed by CORS (`--cors-allow-origin`); `*` means any; empty means CORS off.
+    pub cors_allow_origins: Vec<String>,
     pub log_prompts: bool,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
@@ -230,6 +236,12 @@ impl Config {
             "--swap-space must be a non-negative number of GiB, got {}",
             args.swap_space
         );
+        for origin in &args.cors_allow_origins {
+            anyhow::ensure!(
+                !origin.is_empty() && origin.bytes().all(|b| b.is_ascii_graphic()) && !origin.ends_with('/'),
+                "--cors-allow-origin takes `*` or an origin like https://app.example.com (no path), got {origin:?}"
+            );
+        }
         if let Some(target) = args.target_itl_ms {
             anyhow::ensure!(target > 0.0, "--target-itl-ms must be positive, got {target}");
         }
@@ -246,6 +258,7 @@ impl Config {
             shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
             api_key: args.api_key.filter(|key| !key.is_empty()),
             max_body_bytes: args.max_body_bytes,
+            cors_allow_origins: args.cors_allow_origins,
             log_prompts: args.log_prompts,
             limits: LimitsConfig {
                 max_input_tokens: args.max_input_tokens,

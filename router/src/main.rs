@@ -129,6 +129,7 @@ async fn main() -> anyhow::Result<()> {
         draining: Arc::new(AtomicBool::new(false)),
         api_key: config.api_key.as_deref().map(Arc::from),
         max_body_bytes: config.max_body_bytes,
+        cors_allow_origins: config.cors_allow_origins.clone(),
         log_prompts: config.log_prompts,
         chat_template,
         model_id: config.model_id.display().to_string(),

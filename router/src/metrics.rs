@@ -74,7 +74,15 @@ pub struct Metrics {
     pub end_to_end_latency: Histogram,
     /// Unix time of the last forward pass that succeeded, for readiness.
     pub last_progress_ms: IntGauge,
+    /// Unknown OpenAI request fields that were ignored, by field name (see `count_ignored_field`).
+    ignored_request_fields: IntCounterVec,
+    /// The field names that have a series of their own, at most `MAX_IGNORED_FIELD_LABELS`.
+    ignored_field_labels: std::sync::Mutex<std::collections::HashSet<String>>,
 }
+
+/// Distinct field names `rill_ignored_request_fields_total` labels; later ones count under `other`, so
+/// clients cannot grow the metric without bound.
+const MAX_IGNORED_FIELD_LABELS: usize = 64;
 
 /// Registers `metric` under its (unique) name and returns it.
 fn register<M: Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
@@ -251,9 +259,40 @@ impl Metrics {
                 "rill_last_progress_timestamp_milliseconds",
                 "Unix time of the last successful forward pass",
             ),
+            ignored_request_fields: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "rill_ignored_request_fields_total",
+                        "Unknown request fields ignored, by name (`other` past 64 distinct names)",
+                    ),
+                    &["field"],
+                )
+                .expect("valid counter"),
+            ),
+            ignored_field_labels: Default::default(),
             requests,
             registry,
         }
+    }
+
+    /// Counts an ignored request field under its own name while fewer than 64 names have a series (and
+    /// the name is a short identifier), else under `other`.
+    pub fn count_ignored_field(&self, field: &str) {
+        let is_identifier =
+            field.len() <= 64 && !field.is_empty() && field.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        let mut labels = self
+            .ignored_field_labels
+            .lock()
+            .expect("never poisoned: no panics while held");
+        let has_room = labels.len() < MAX_IGNORED_FIELD_LABELS;
+        let label = if is_identifier && (labels.contains(field) || has_room) {
+            labels.insert(field.to_owned());
+            field
+        } else {
+            "other"
+        };
+        self.ignored_request_fields.with_label_values(&[label]).inc();
     }
 
     pub fn count_request(&self, outcome: Outcome) {

@@ -1,5 +1,7 @@
 //! Request and response bodies of the OpenAI-compatible API (`/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`), with the sampling extensions vLLM users expect. Unknown fields are rejected.
+//! `/v1/models`), with the sampling extensions vLLM users expect. OpenAI fields Rill does not act on are
+//! listed in `InertFields` (accepted at their default value only); any other unknown field is collected
+//! in `unknown`, ignored, logged and counted.
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -37,8 +39,56 @@ pub enum CompletionPrompt {
 #[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage` and no choices.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_false")]
     pub include_usage: bool,
+    /// vLLM extension: also put the running `usage` on every chunk.
+    #[serde(default, deserialize_with = "null_as_false")]
+    pub continuous_usage_stats: bool,
+}
+
+/// `null` reads as `false`, as OpenAI's clients send it.
+fn null_as_false<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(deserializer)?.unwrap_or(false))
+}
+
+/// OpenAI fields Rill accepts but does not act on. Each is accepted at its default (absent, `null`,
+/// `false`, or the value that means "nothing special"); any other value is a 422 naming the field.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct InertFields {
+    /// OpenAI stores completions for its dashboard when true; Rill stores nothing. Accepted when false.
+    pub store: Option<bool>,
+    /// Tags for stored completions. Accepted when null or empty.
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Accepted when null, "auto" or "default".
+    pub service_tier: Option<String>,
+    /// Output modalities. Accepted when null or `["text"]`.
+    pub modalities: Option<Vec<String>>,
+    /// Audio output. Accepted when null.
+    #[schema(value_type = Option<Object>)]
+    pub audio: Option<serde_json::Value>,
+    /// Predicted output. Accepted when null.
+    #[schema(value_type = Option<Object>)]
+    pub prediction: Option<serde_json::Value>,
+    /// Web search. Accepted when null.
+    #[schema(value_type = Option<Object>)]
+    pub web_search_options: Option<serde_json::Value>,
+    /// Deprecated predecessor of `tools`. Accepted when null or empty.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub functions: Option<Vec<serde_json::Value>>,
+    /// Deprecated predecessor of `tool_choice`. Accepted when null or "none".
+    #[schema(value_type = Option<Object>)]
+    pub function_call: Option<serde_json::Value>,
+    /// Answer length hint of OpenAI's reasoning models. Accepted when null or "medium".
+    pub verbosity: Option<String>,
+    /// Legacy completions: text after the completion. Accepted when null or empty.
+    pub suffix: Option<String>,
+    /// Legacy completions: candidates per choice. Accepted when null or 1.
+    pub best_of: Option<u32>,
+    /// Identifies the end user to OpenAI's abuse monitoring; recorded nowhere. Always accepted.
+    pub safety_identifier: Option<String>,
+    /// OpenAI's cache-routing hint; Rill's prefix cache needs none. Always accepted.
+    pub prompt_cache_key: Option<String>,
 }
 
 /// Sampling fields shared by both endpoints.
@@ -74,6 +124,8 @@ pub struct SamplingFields {
     pub skip_special_tokens: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    #[serde(flatten)]
+    pub inert: InertFields,
     /// vLLM extension: scheduling priority, lower runs first. Default 0.
     pub priority: Option<i32>,
     /// vLLM extension: prefix-cache isolation; requests with different salts never share cached blocks.
@@ -94,7 +146,8 @@ pub struct CompletionRequest {
     pub echo: bool,
     #[serde(flatten)]
     pub sampling: SamplingFields,
-    /// Every field not named above; a request with any is rejected, naming them.
+    /// Every field not named above: ignored, with a warning in the log and
+    /// `rill_ignored_request_fields_total{field}` counted.
     #[serde(flatten)]
     #[schema(ignore)]
     pub unknown: UnknownFields,
@@ -146,12 +199,74 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<u32>,
     /// vLLM extension: end the prompt with the assistant's turn opening. Default true.
     pub add_generation_prompt: Option<bool>,
+    /// vLLM extension: extra variables for the model's chat template (e.g. `{"enable_thinking": false}`).
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Effort hint of reasoning models ("low", "medium", "high", ...): handed to the chat template as
+    /// `reasoning_effort`, for the templates that use it.
+    pub reasoning_effort: Option<String>,
+    /// Function tools the model may call.
+    pub tools: Option<Vec<Tool>>,
+    /// "none", "auto", "required", or `{"type": "function", "function": {"name": ...}}`.
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Whether the model may call several tools in one turn. Default true.
+    pub parallel_tool_calls: Option<bool>,
+    /// The shape of the answer: `{"type": "text"}` (default), `{"type": "json_object"}`, or
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
+    pub response_format: Option<ResponseFormat>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
-    /// Every field not named above; a request with any is rejected, naming them.
+    /// Every field not named above: ignored, with a warning in the log and
+    /// `rill_ignored_request_fields_total{field}` counted.
     #[serde(flatten)]
     #[schema(ignore)]
     pub unknown: UnknownFields,
+}
+
+/// A tool the model may call.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct Tool {
+    /// Only "function".
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDefinition,
+}
+
+/// A function tool: its name, what it does, and its arguments' JSON Schema.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct FunctionDefinition {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// `response_format`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    /// Free text (the default).
+    Text,
+    /// Any JSON object.
+    JsonObject,
+    /// JSON that validates against `json_schema.schema`.
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    pub description: Option<String>,
+    /// The JSON Schema; absent means any JSON value.
+    #[schema(value_type = Option<Object>)]
+    pub schema: Option<serde_json::Value>,
+    /// OpenAI's strict mode. Rill always enforces the schema, so both values behave the same.
+    pub strict: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -2,6 +2,9 @@
 //! Handlers turn bodies into `GenerateInput`s, validate, submit to the engine and shape its events;
 //! they never schedule or touch KV.
 
+mod compat;
+#[cfg(test)]
+mod compat_tests;
 mod error;
 mod middleware;
 mod native;
@@ -49,6 +52,8 @@ pub struct AppState {
     pub api_key: Option<Arc<str>>,
     /// Largest request body accepted (`--max-body-bytes`); larger ones get 413.
     pub max_body_bytes: usize,
+    /// Origins whose browser pages may call the API (`--cors-allow-origin`); `*` = any; empty = no CORS.
+    pub cors_allow_origins: Vec<String>,
     /// Log prompts' text (`--log-prompts`); off by default, prompts are never logged.
     pub log_prompts: bool,
     pub chat_template: Option<Arc<ChatTemplate>>,
@@ -87,11 +92,12 @@ impl AppState {
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, ChatTemplateError> {
         self.chat_template
             .as_ref()
             .ok_or(ChatTemplateError::Missing)?
-            .render(messages, add_generation_prompt)
+            .render(messages, add_generation_prompt, extra)
     }
 }
 
@@ -104,13 +110,15 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
         .route("/tokenize", post(service::tokenize))
         .route("/detokenize", post(service::detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             middleware::require_api_key,
         ));
-    Router::new()
+    let cors = cors_layer(&state.cors_allow_origins);
+    let app = Router::new()
         .merge(guarded)
         .route("/health", get(service::health))
         .route("/ready", get(service::ready))
@@ -123,7 +131,38 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             middleware::request_id,
         ))
-        .with_state(state)
+        .with_state(state);
+    // Outermost, so preflights are answered before the API-key check (browsers send them without
+    // credentials).
+    match cors {
+        Some(cors) => app.layer(cors),
+        None => app,
+    }
+}
+
+/// CORS for the allowed origins (none: no layer, so no CORS headers at all). Any method and header
+/// may be used; `Authorization` is how API keys travel.
+fn cors_layer(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowOrigin, Any, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow_origin = if origins.iter().any(|origin| origin == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(origins.iter().map(|origin| {
+            origin
+                .parse::<axum::http::HeaderValue>()
+                .expect("checked to be visible ASCII when the flags were read")
+        }))
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow_origin)
+            .allow_methods(Any)
+            .allow_headers(Any)
+            .expose_headers([axum::http::HeaderName::from_static(middleware::REQUEST_ID)]),
+    )
 }
 
 /// Takes one admission permit per sequence, at once or not at all (429).

@@ -8,7 +8,7 @@ use std::{
 };
 
 use axum::{
-    extract::{rejection::JsonRejection, State},
+    extract::{rejection::JsonRejection, Path, State},
     response::{
         sse::{Event, KeepAlive, Sse},
         IntoResponse, Response,
@@ -18,18 +18,18 @@ use axum::{
 use futures::{stream::SelectAll, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::{acquire, collect_all, error::OpenAiError, submit, ApiError, AppState, Finished, RequestTag};
+use super::{acquire, collect_all, compat, error::OpenAiError, submit, ApiError, AppState, Finished, RequestTag};
 use crate::{
     api::{
         openai::{
             AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
             ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionPrompt,
             CompletionRequest, CompletionResponse, ErrorResponse, Model, ModelList, PromptTokensDetails,
-            SamplingFields, TokenLogprob, TopLogprob, UnknownFields, Usage,
+            ResponseFormat, SamplingFields, StreamOptions, TokenLogprob, TopLogprob, Usage,
         },
         FinishReason,
     },
-    engine::{EndEvent, EngineError, EventReceiver, TokenEvent},
+    engine::{EngineError, EventReceiver, TokenEvent},
     validation::{GenerateInput, Prompt, ValidationError},
 };
 
@@ -59,21 +59,38 @@ fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError>
     }
 }
 
-fn check_unknown(unknown: &UnknownFields) -> Result<(), ApiError> {
-    match unknown.keys().next() {
-        Some(field) => Err(ApiError::Unsupported {
-            message: format!(
-                "unknown or unsupported field(s): {}",
-                unknown.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ")
-            ),
-            param: field.clone(),
-        }),
-        None => Ok(()),
+/// Chat fields whose support comes later: accepted only when they ask for plain text without tools.
+fn check_chat_features(request: &ChatCompletionRequest) -> Result<(), ApiError> {
+    let unsupported = |param: &str, what: &str| ApiError::Unsupported {
+        message: format!("`{param}`: {what} is not supported by this server"),
+        param: param.into(),
+    };
+    if request.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
+        return Err(unsupported("tools", "tool calling"));
     }
+    if let Some(choice) = &request.tool_choice {
+        if !(choice.is_null() || choice == "none" || choice == "auto") {
+            return Err(unsupported("tool_choice", "a tool choice other than none or auto"));
+        }
+    }
+    match request.response_format {
+        None | Some(ResponseFormat::Text) => Ok(()),
+        Some(_) => Err(unsupported("response_format", "a response format other than text")),
+    }
+}
+
+/// The chat template's extra variables: `chat_template_kwargs` and `reasoning_effort`.
+fn template_variables(request: &ChatCompletionRequest) -> serde_json::Map<String, serde_json::Value> {
+    let mut variables = request.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(effort) = &request.reasoning_effort {
+        variables.insert("reasoning_effort".into(), effort.clone().into());
+    }
+    variables
 }
 
 /// Maps the OpenAI sampling fields onto the shared `GenerateInput`.
 fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<u32, ApiError> {
+    compat::check_inert(&fields.inert)?;
     // OpenAI samples by default (temperature 1); `temperature: 0` asks for greedy decoding.
     input.do_sample = true;
     input.temperature = fields.temperature;
@@ -135,27 +152,50 @@ fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
 }
 
 /// Tracks usage over a stream: prompt tokens once per prompt, completion tokens per choice.
-#[derive(Default)]
 struct StreamUsage {
     prompt_tokens: u32,
     cached_tokens: u32,
+    /// Tokens of the choices that ended, as the engine counted them.
     completion_tokens: u32,
+    /// Token events streamed so far, over all choices.
+    streamed_tokens: u32,
+    /// `stream_options.continuous_usage_stats`: usage on every chunk.
+    is_continuous: bool,
 }
 
 impl StreamUsage {
-    fn add(&mut self, end: &EndEvent, is_first_choice_of_prompt: bool) {
-        if is_first_choice_of_prompt {
-            self.prompt_tokens += end.num_prompt_tokens;
-            self.cached_tokens += end.num_cached_tokens;
+    fn new(prompt_tokens: u32, options: Option<StreamOptions>) -> Self {
+        Self {
+            prompt_tokens,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            streamed_tokens: 0,
+            is_continuous: options.is_some_and(|o| o.continuous_usage_stats),
         }
-        self.completion_tokens += end.num_generated_tokens;
     }
 
-    fn usage(&self) -> Usage {
+    /// Counts one token event; with continuous usage stats, returns the usage so far for its chunk.
+    fn add(&mut self, event: &TokenEvent, is_first_choice_of_prompt: bool) -> Option<Usage> {
+        self.streamed_tokens += 1;
+        if let Some(end) = &event.end {
+            if is_first_choice_of_prompt {
+                self.cached_tokens += end.num_cached_tokens;
+            }
+            self.completion_tokens += end.num_generated_tokens;
+        }
+        self.is_continuous.then(|| self.usage(self.streamed_tokens))
+    }
+
+    /// The final usage, once every choice ended.
+    fn total(&self) -> Usage {
+        self.usage(self.completion_tokens)
+    }
+
+    fn usage(&self, completion_tokens: u32) -> Usage {
         Usage {
             prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
-            total_tokens: self.prompt_tokens + self.completion_tokens,
+            completion_tokens,
+            total_tokens: self.prompt_tokens + completion_tokens,
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: self.cached_tokens,
             },
@@ -180,14 +220,26 @@ fn sse_error(error: EngineError) -> Result<Event, Infallible> {
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
-        data: vec![Model {
-            id: state.served_model_name.clone(),
-            object: "model",
-            created: state.started_at,
-            owned_by: "rill",
-            max_model_len: state.limits.max_total_tokens,
-        }],
+        data: vec![served_model(&state)],
     })
+}
+
+fn served_model(state: &AppState) -> Model {
+    Model {
+        id: state.served_model_name.clone(),
+        object: "model",
+        created: state.started_at,
+        owned_by: "rill",
+        max_model_len: state.limits.max_total_tokens,
+    }
+}
+
+/// One model by name: the served model, or 404.
+#[utoipa::path(get, path = "/v1/models/{id}", tag = "openai", params(("id" = String, Path, description = "Model name")),
+    responses((status = 200, body = Model), (status = 404, body = ErrorResponse), (status = 401, body = ErrorResponse)))]
+pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Model>, OpenAiError> {
+    check_model(&state, &Some(id))?;
+    Ok(Json(served_model(&state)))
 }
 
 /// Legacy completions, streaming or not.
@@ -204,7 +256,7 @@ pub async fn completions(
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
     check_model(&state, &request.model)?;
-    check_unknown(&request.unknown)?;
+    compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
     tracing::debug!(user = ?request.sampling.user, "completion request");
     let prompts: Vec<Prompt> = match request.prompt {
         CompletionPrompt::Text(text) => vec![Prompt::Text {
@@ -245,8 +297,10 @@ pub async fn completions(
     let permit = acquire(&state, inputs.len() as u32 * n)?;
     let mut receivers = Vec::new();
     let mut echoes = Vec::new();
+    let mut num_prompt_tokens = 0;
     for input in inputs {
         let (valid, rxs) = submit(&state, &tag, input, n).await?;
+        num_prompt_tokens += valid.prompt_ids.len() as u32;
         let echo = if request.echo {
             state.decode(&valid.prompt_ids, false)
         } else {
@@ -312,10 +366,10 @@ pub async fn completions(
     }
 
     let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
+    let mut stream_usage = StreamUsage::new(num_prompt_tokens, request.sampling.stream_options);
     let mut events = merge(receivers);
     let stream = async_stream::stream! {
         let _permit = permit;
-        let mut stream_usage = StreamUsage::default();
         let chunk = |choices: Vec<CompletionChoice>, usage: Option<Usage>| CompletionResponse {
             id: id.clone(), object: "text_completion", created, model: model.clone(), choices, usage,
         };
@@ -332,10 +386,8 @@ pub async fn completions(
                 Ok(event) => {
                     let logprobs = wants_logprobs.then(|| completion_logprobs(&state, std::slice::from_ref(&event), 0));
                     let finish = event.end.as_ref().map(|end| finish_reason(end.finish_reason));
-                    if let Some(end) = &event.end {
-                        stream_usage.add(end, index % n == 0);
-                    }
-                    yield sse_json(chunk(vec![CompletionChoice { index, text: event.text.clone(), logprobs, finish_reason: finish }], None));
+                    let usage = stream_usage.add(&event, index % n == 0);
+                    yield sse_json(chunk(vec![CompletionChoice { index, text: event.text.clone(), logprobs, finish_reason: finish }], usage));
                 }
                 Err(error) => {
                     yield sse_error(error);
@@ -344,7 +396,7 @@ pub async fn completions(
             }
         }
         if include_usage {
-            yield sse_json(chunk(Vec::new(), Some(stream_usage.usage())));
+            yield sse_json(chunk(Vec::new(), Some(stream_usage.total())));
         }
         yield Ok(Event::default().data("[DONE]"));
     };
@@ -393,12 +445,17 @@ pub async fn chat_completions(
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
     check_model(&state, &request.model)?;
-    check_unknown(&request.unknown)?;
+    compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
+    check_chat_features(&request)?;
     tracing::debug!(user = ?request.sampling.user, "chat completion request");
     if request.messages.is_empty() {
         return Err(ValidationError::EmptyInput("messages").into());
     }
-    let prompt = state.render_chat(&request.messages, request.add_generation_prompt.unwrap_or(true))?;
+    let prompt = state.render_chat(
+        &request.messages,
+        request.add_generation_prompt.unwrap_or(true),
+        &template_variables(&request),
+    )?;
     // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
     let mut input = GenerateInput::new(
         Prompt::Text {
@@ -417,7 +474,7 @@ pub async fn chat_completions(
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
     let permit = acquire(&state, n)?;
-    let (_, receivers) = submit(&state, &tag, input, n).await?;
+    let (valid, receivers) = submit(&state, &tag, input, n).await?;
     let id = format!("chatcmpl-{}", uuid_like());
     let model = state.served_model_name.clone();
     let created = now();
@@ -453,10 +510,10 @@ pub async fn chat_completions(
     }
 
     let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
+    let mut stream_usage = StreamUsage::new(valid.prompt_ids.len() as u32, request.sampling.stream_options);
     let mut events = merge(receivers);
     let stream = async_stream::stream! {
         let _permit = permit;
-        let mut stream_usage = StreamUsage::default();
         let chunk = |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
             id: id.clone(), object: "chat.completion.chunk", created, model: model.clone(), choices, usage,
         };
@@ -469,11 +526,9 @@ pub async fn chat_completions(
                 Ok(event) => {
                     let logprobs = wants_logprobs.then(|| chat_logprobs(&state, std::slice::from_ref(&event)));
                     let finish = event.end.as_ref().map(|end| finish_reason(end.finish_reason));
-                    if let Some(end) = &event.end {
-                        stream_usage.add(end, index == 0);
-                    }
+                    let usage = stream_usage.add(&event, index == 0);
                     let delta = ChatDelta { role: None, content: Some(event.text.clone()) };
-                    yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason: finish }], None));
+                    yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason: finish }], usage));
                 }
                 Err(error) => {
                     yield sse_error(error);
@@ -482,7 +537,7 @@ pub async fn chat_completions(
             }
         }
         if include_usage {
-            yield sse_json(chunk(Vec::new(), Some(stream_usage.usage())));
+            yield sse_json(chunk(Vec::new(), Some(stream_usage.total())));
         }
         yield Ok(Event::default().data("[DONE]"));
     };

@@ -111,7 +111,11 @@ pub async fn tokenize(
     let (prompt, add_special_tokens) = match (request.prompt, request.messages) {
         (Some(prompt), None) => (prompt, request.add_special_tokens.unwrap_or(true)),
         (None, Some(messages)) => (
-            state.render_chat(&messages, request.add_generation_prompt.unwrap_or(true))?,
+            state.render_chat(
+                &messages,
+                request.add_generation_prompt.unwrap_or(true),
+                &serde_json::Map::new(),
+            )?,
             false,
         ),
         _ => {
@@ -177,6 +181,7 @@ pub async fn detokenize(
         super::openai::completions,
         super::openai::chat_completions,
         super::openai::models,
+        super::openai::model,
         health,
         ready,
         metrics,

@@ -48,13 +48,13 @@ fn tokenizer() -> Tokenizer {
     tokenizer
 }
 
-struct TestServer {
-    app: Router,
-    state: AppState,
+pub(super) struct TestServer {
+    pub(super) app: Router,
+    pub(super) state: AppState,
     shard: FakeShard,
 }
 
-async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
+pub(super) async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
     server_with_mode(num_blocks, max_concurrent_requests, BatchingMode::Continuous).await
 }
 
@@ -146,6 +146,7 @@ async fn server_with(
         draining: Arc::new(AtomicBool::new(false)),
         api_key: None,
         max_body_bytes: 4096,
+        cors_allow_origins: Vec::new(),
         log_prompts: false,
         chat_template: Some(Arc::new(
             ChatTemplate::new(
@@ -170,7 +171,7 @@ async fn server_with(
     }
 }
 
-async fn post(app: &Router, uri: &str, body: Value) -> (StatusCode, axum::http::HeaderMap, String) {
+pub(super) async fn post(app: &Router, uri: &str, body: Value) -> (StatusCode, axum::http::HeaderMap, String) {
     let request = Request::builder()
         .method("POST")
         .uri(uri)
@@ -347,14 +348,14 @@ async fn info_reports_the_kv_pool() {
     assert_eq!(idle_free_blocks(&server).await, 63);
 }
 
-async fn get(app: &Router, uri: &str) -> Value {
+pub(super) async fn get(app: &Router, uri: &str) -> Value {
     let request = Request::builder().uri(uri).body(Body::empty()).expect("valid request");
     let response = app.clone().oneshot(request).await.expect("infallible");
     let bytes = response.into_body().collect().await.expect("body").to_bytes();
     serde_json::from_slice(&bytes).expect("json")
 }
 
-fn sse_data(text: &str) -> Vec<String> {
+pub(super) fn sse_data(text: &str) -> Vec<String> {
     text.lines()
         .filter_map(|line| line.strip_prefix("data:"))
         .map(|d| d.trim().to_owned())
