@@ -75,9 +75,10 @@ pub struct Args {
     #[arg(long, env = "RILL_PREEMPTION_MODE", value_enum, default_value_t = PreemptionModeArg::Auto)]
     pub preemption_mode: PreemptionModeArg,
     /// Host memory for the swap pool, in GiB per shard (pinned on a GPU); unused with
-    /// `--preemption-mode recompute`.
-    #[arg(long, env = "RILL_SWAP_SPACE", default_value_t = 4.0)]
-    pub swap_space: f64,
+    /// `--preemption-mode recompute`. Unset: 10% of the host memory left after the KV pool (the smaller
+    /// of MemAvailable and the cgroup's room, split between the shards).
+    #[arg(long, env = "RILL_SWAP_SPACE")]
+    pub swap_space: Option<f64>,
     /// How admission claims KV blocks: `incremental` (as tokens are computed; preempt when the pool runs
     /// out) or `reserve` (TGI's policy, a benchmark baseline: reserve prompt + max_new_tokens at
     /// admission, never preempt).
@@ -196,8 +197,8 @@ pub struct BatchConfig {
     pub max_queue_time: Option<Duration>,
     pub prefix_caching: bool,
     pub preemption_mode: PreemptionMode,
-    /// Host swap pool per shard, in bytes; 0 with `--preemption-mode recompute`.
-    pub swap_space_bytes: u64,
+    /// Host swap pool per shard, in bytes; 0 with `--preemption-mode recompute`; None: the shards size it.
+    pub swap_space_bytes: Option<u64>,
     pub kv_admission: KvAdmission,
 }
 
@@ -232,8 +233,8 @@ impl Config {
         anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
         anyhow::ensure!(
-            args.swap_space >= 0.0 && args.swap_space.is_finite(),
-            "--swap-space must be a non-negative number of GiB, got {}",
+            args.swap_space.is_none_or(|gib| gib >= 0.0 && gib.is_finite()),
+            "--swap-space must be a non-negative number of GiB, got {:?}",
             args.swap_space
         );
         for origin in &args.cors_allow_origins {
@@ -278,9 +279,9 @@ impl Config {
                 prefix_caching: !args.no_prefix_caching,
                 preemption_mode: args.preemption_mode.into(),
                 swap_space_bytes: if args.preemption_mode == PreemptionModeArg::Recompute {
-                    0
+                    Some(0)
                 } else {
-                    (args.swap_space * f64::from(1u32 << 30)) as u64
+                    args.swap_space.map(|gib| (gib * f64::from(1u32 << 30)) as u64)
                 },
                 kv_admission: args.kv_admission.into(),
             },

@@ -15,6 +15,7 @@ use clap::Parser;
 use tokio::sync::{mpsc, Semaphore};
 
 use rill_router::{
+    api::MemoryInfo,
     chat_template,
     config::{Args, Config, Scheduling},
     engine::{EngineConfig, EngineCore, EngineHandle, PreemptionConfig},
@@ -139,6 +140,12 @@ async fn main() -> anyhow::Result<()> {
             .map(|d| d.as_secs())
             .unwrap_or_default(),
         shard_info,
+        memory: MemoryInfo {
+            kv_pool_bytes: u64::from(warmup.num_blocks) * warmup.bytes_per_block,
+            kv_pool_reason: warmup.kv_pool_reason.clone(),
+            swap_pool_bytes: u64::from(warmup.num_host_blocks) * warmup.bytes_per_block,
+            swap_pool_reason: warmup.swap_pool_reason.clone(),
+        },
         shards,
         limits: config.limits.clone(),
         batch: config.batch.clone(),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rill.shard import runner as runner_module
+from rill.shard import memory
 from rill.shard.batch import ForwardRequest
 from rill.shard.config import ShardConfig
 from rill.shard.runner import ModelRunner, NotReadyError
@@ -29,17 +29,17 @@ def test_warmup_sizes_pool_from_requested_tokens(llama_dir: Path) -> None:
     assert runner.kv_cache.k[0].shape == (8, 16, 2, 16)
 
 
-def test_warmup_sizes_pool_from_available_memory(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warmup_sizes_pool_from_available_memory(llama_dir: Path) -> None:
     runner = make_runner(llama_dir, block_size=16)
-    monkeypatch.setattr(runner_module, "_mem_available_bytes", lambda: 4 * 2**20)
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # k and v, layers, block_size, kv heads, head_dim, float32
-    assert runner._decide_num_blocks(0) == 2**20 // bytes_per_block
+    num_blocks, reason = runner._decide_num_blocks(0, 4 * 2**20, "MemAvailable 0.00 GiB")
+    assert num_blocks == 2**20 // bytes_per_block and reason.endswith("MemAvailable 0.00 GiB")
 
 
 def test_mem_available_parses_meminfo(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  100 kB\nMemAvailable:   2048 kB\n")
-    assert runner_module._mem_available_bytes(meminfo) == 2048 * 1024
+    assert memory.mem_available_bytes(meminfo) == 2048 * 1024
 
 
 def test_forward_before_warmup_is_refused(llama_dir: Path) -> None:

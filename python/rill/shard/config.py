@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from rill.shard.memory import CGROUP_ROOT
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -28,6 +30,8 @@ class ShardConfig:
     norms and rotary (auto: kernels on cuda, references on cpu); `cuda_graph_max_batch_size` bounds the decode
     batch sizes captured as CUDA graphs with the kernels (0: none). `otlp_endpoint`, when set, is the
     OpenTelemetry collector the server sends its `forward` spans to (rill/shard/telemetry.py).
+    `cgroup_root` is where the cgroup hierarchy is mounted: the pools are sized within the memory limits
+    found there (rill/shard/memory.py; tests point it at a fake one).
     """
 
     model_path: Path
@@ -42,6 +46,7 @@ class ShardConfig:
     attention_backend: str = "auto"
     cuda_graph_max_batch_size: int = 256
     otlp_endpoint: str | None = None
+    cgroup_root: Path = CGROUP_ROOT
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,14 +31,20 @@ from rill.shard.config import ShardConfig
 from rill.shard.cuda_graphs import DecodeGraphs
 from rill.shard.kv_cache import KVCache
 from rill.shard.layers.attention import ForwardContext, KernelMetadata, forward_context
+from rill.shard.memory import available_host_memory
 from rill.shard.models.registry import eos_token_ids, get_model_class, load_hf_config
 from rill.shard.sampling import SamplingBatch, SamplingParams, sample
 from rill.shard.weights import load_weights
 
 logger = logging.getLogger(__name__)
 
-CPU_KV_MEMORY_FRACTION = 0.25  # of MemAvailable
+# Host memory a rank may use: min(MemAvailable, its cgroup's room; see memory.py), split evenly between
+# the ranks of one launch (they share the host). Device memory: what torch.cuda.mem_get_info calls free,
+# which other processes on the device have already taken out; 10% of it stays free as headroom for the
+# allocator's fragmentation and the activations of requests larger than the warmup's.
+CPU_KV_MEMORY_FRACTION = 0.25  # of the rank's host memory
 CUDA_KV_MEMORY_FRACTION = 0.90  # of free device memory after the warmup forward
+SWAP_MEMORY_FRACTION = 0.10  # default swap pool: of the rank's host memory left after a CPU KV pool
 # Every logit processor on, so the warmup forward reaches the sampler's peak memory.
 WARMUP_PARAMS = SamplingParams(
     do_sample=True,
@@ -65,6 +70,9 @@ class WarmupResult:
     num_host_blocks: int
     swap_seconds_per_block: float
     prefill_seconds_per_token: float
+    bytes_per_block: int = 0
+    kv_pool_reason: str = ""  # why the KV pool has its size (the figures it came from)
+    swap_pool_reason: str = ""
 
 
 class NotReadyError(RuntimeError):
@@ -158,11 +166,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(
-        self, max_batch_tokens: int, max_batch_size: int, max_total_kv_tokens: int, swap_space_bytes: int = 0
+        self,
+        max_batch_tokens: int,
+        max_batch_size: int,
+        max_total_kv_tokens: int,
+        swap_space_bytes: int | None = 0,
     ) -> WarmupResult:
         """Runs a forward at the largest batch the router will send, then allocates the pool (and a swap
-        pool of `swap_space_bytes`); returns their sizes in blocks, null block 0 included, and the measured
-        costs of recomputing a token and of swapping a block."""
+        pool of `swap_space_bytes`, None: a share of the host memory left); returns their sizes in blocks,
+        null block 0 included, why they have them, and the measured costs of recomputing a token and of
+        swapping a block."""
         if not 1 <= max_batch_size <= max_batch_tokens:
             raise ValueError(
                 f"need 1 <= max_batch_size <= max_batch_tokens, got max_batch_size={max_batch_size}, "
@@ -202,17 +215,37 @@ class ModelRunner:
         self.clear()
         self.kv_cache = None
         # Every rank uses the router's block tables, so every pool needs the same number of blocks.
-        num_blocks = distributed.all_reduce_min(self._decide_num_blocks(max_total_kv_tokens))
+        host = available_host_memory(self.config.cgroup_root)
+        host_share_bytes = host.available_bytes // self.config.world_size
+        host_reason = (
+            f"1/{self.config.world_size} of {host.reason}" if self.config.world_size > 1 else host.reason
+        )
+        num_blocks, kv_pool_reason = self._decide_num_blocks(
+            max_total_kv_tokens, host_share_bytes, host_reason
+        )
+        num_blocks = distributed.all_reduce_min(num_blocks)
         self.kv_cache = self._new_kv_cache(num_blocks)
+        if swap_space_bytes is None:
+            host_left_bytes = host_share_bytes
+            if self.device.type == "cpu":
+                host_left_bytes = max(0, host_left_bytes - num_blocks * self._bytes_per_block())
+            swap_space_bytes = int(host_left_bytes * SWAP_MEMORY_FRACTION)
+            swap_pool_reason = (
+                f"{SWAP_MEMORY_FRACTION:.0%} of {host_left_bytes / 2**30:.2f} GiB host memory left "
+                f"after the KV pool; {host_reason}"
+            )
+        else:
+            swap_pool_reason = f"router asked for {swap_space_bytes / 2**30:.2f} GiB"
         num_host_blocks = min(swap_space_bytes // self._bytes_per_block(), 2**32 - 1)  # a uint32 in the proto
         num_host_blocks = distributed.all_reduce_min(num_host_blocks)
         self.kv_cache.allocate_host_pool(num_host_blocks)
         swap_seconds_per_block = self._measure_swap() if self.kv_cache.num_host_blocks else 0.0
         if self.kv_cache.num_host_blocks:
             logger.info(
-                "swap pool: %d host blocks (%.2f GiB); one block out and back in takes %.1f us",
+                "swap pool: %d host blocks (%.2f GiB; %s); one block out and back in takes %.1f us",
                 self.kv_cache.num_host_blocks,
                 self.kv_cache.num_host_blocks * self._bytes_per_block() / 2**30,
+                swap_pool_reason,
                 swap_seconds_per_block * 1e6,
             )
         self._capture_decode_graphs(max_batch_size, num_blocks)
@@ -221,6 +254,9 @@ class ModelRunner:
             num_host_blocks=self.kv_cache.num_host_blocks,
             swap_seconds_per_block=swap_seconds_per_block,
             prefill_seconds_per_token=warmup_s / max_batch_tokens,
+            bytes_per_block=self._bytes_per_block(),
+            kv_pool_reason=kv_pool_reason,
+            swap_pool_reason=swap_pool_reason if self.kv_cache.num_host_blocks else "",
         )
 
     def _measure_swap(self, num_repeats: int = 4) -> float:
@@ -252,7 +288,11 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _decide_num_blocks(self, max_total_kv_tokens: int) -> int:
+    def _decide_num_blocks(
+        self, max_total_kv_tokens: int, host_share_bytes: int, host_reason: str
+    ) -> tuple[int, str]:
+        """The pool's size in blocks (null block included) and why: what the router asked for, else a share of
+        free device memory (cuda) or of this rank's host memory (cpu)."""
         block_size, bytes_per_block = self.config.block_size, self._bytes_per_block()
         if max_total_kv_tokens > 0:
             num_blocks = math.ceil(max_total_kv_tokens / block_size) + 1
@@ -262,9 +302,8 @@ class ModelRunner:
             num_blocks = int(free_bytes * CUDA_KV_MEMORY_FRACTION) // bytes_per_block
             reason = f"{CUDA_KV_MEMORY_FRACTION:.0%} of {free_bytes / 2**30:.2f} GiB free device memory"
         else:
-            available_bytes = _mem_available_bytes()
-            num_blocks = int(available_bytes * CPU_KV_MEMORY_FRACTION) // bytes_per_block
-            reason = f"{CPU_KV_MEMORY_FRACTION:.0%} of {available_bytes / 2**30:.2f} GiB MemAvailable"
+            num_blocks = int(host_share_bytes * CPU_KV_MEMORY_FRACTION) // bytes_per_block
+            reason = f"{CPU_KV_MEMORY_FRACTION:.0%} of {host_share_bytes / 2**30:.2f} GiB: {host_reason}"
         if num_blocks < 2:
             raise RuntimeError(f"not enough memory for a KV pool of 2 blocks ({reason})")
         logger.info(
@@ -275,7 +314,7 @@ class ModelRunner:
             num_blocks * bytes_per_block / 2**30,
             reason,
         )
-        return num_blocks
+        return num_blocks, reason
 
     @torch.inference_mode()
     def forward(self, request: ForwardRequest) -> list[Generation]:
@@ -389,9 +428,3 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         assert probe.item() == 2.0
 
-
-def _mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no MemAvailable in {meminfo}")

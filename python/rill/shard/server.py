@@ -23,6 +23,7 @@ import torch
 
 from rill.shard.batch import BlockCopy, ForwardRequest, Generation, SequenceChunk
 from rill.shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ShardConfig
+from rill.shard.memory import CGROUP_ROOT
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.runner import ModelRunner, NotReadyError
 from rill.shard.sampling import SamplingParams
@@ -137,7 +138,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 request.max_batch_tokens,
                 request.max_batch_size,
                 request.max_total_kv_tokens,
-                request.swap_space_bytes,
+                request.swap_space_bytes if request.HasField("swap_space_bytes") else None,
             ),
         )
         return shard_pb2.WarmupResponse(
@@ -145,6 +146,9 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             num_host_blocks=result.num_host_blocks,
             swap_seconds_per_block=result.swap_seconds_per_block,
             prefill_seconds_per_token=result.prefill_seconds_per_token,
+            bytes_per_block=result.bytes_per_block,
+            kv_pool_reason=result.kv_pool_reason,
+            swap_pool_reason=result.swap_pool_reason,
         )
 
     async def _forward(
@@ -285,6 +289,12 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         help="send OpenTelemetry spans over OTLP/HTTP to this collector (spans go to URL/v1/traces); "
         "needs the `tracing` extra",
     )
+    parser.add_argument(
+        "--cgroup-root",
+        type=Path,
+        default=CGROUP_ROOT,
+        help=f"where cgroups are mounted; their memory limits bound the pools (default: {CGROUP_ROOT})",
+    )
     args = parser.parse_args(argv)
     try:
         config = ShardConfig(
@@ -300,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             attention_backend=args.attention_backend,
             cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
             otlp_endpoint=args.otlp_endpoint,
+            cgroup_root=args.cgroup_root,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -179,7 +179,22 @@ pub struct Info {
     pub max_concurrent_requests: u32,
     pub max_stop_sequences: u32,
     pub kv: KvInfo,
+    pub memory: MemoryInfo,
     pub version: &'static str,
+}
+
+/// The pools' sizes per shard as the shards chose them at warmup, and why.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct MemoryInfo {
+    /// Bytes of the KV pool on one shard, null block included.
+    pub kv_pool_bytes: u64,
+    /// Why it has that size: `--max-batch-total-tokens`, or the memory figures it was taken from
+    /// (free device memory; the smaller of MemAvailable and the cgroup's room on the CPU).
+    pub kv_pool_reason: String,
+    /// Bytes of the host swap pool on one shard; 0 without one.
+    pub swap_pool_bytes: u64,
+    /// Why it has that size: `--swap-space`, or the share of host memory it was taken from.
+    pub swap_pool_reason: String,
 }
 
 /// The KV pool, as the router's allocator sees it now.

@@ -28,7 +28,7 @@ pub use error::ApiError;
 pub use middleware::RequestTag;
 
 use crate::{
-    api::openai::ChatMessage,
+    api::{openai::ChatMessage, MemoryInfo},
     chat_template::{ChatTemplate, ChatTemplateError},
     config::{BatchConfig, LimitsConfig},
     engine::{EndEvent, EngineError, EngineHandle, EventReceiver, TokenEvent},
@@ -63,6 +63,8 @@ pub struct AppState {
     /// Unix time the server started, in seconds.
     pub started_at: u64,
     pub shard_info: pb::InfoResponse,
+    /// The pools' sizes and why, from the shards' Warmup answer (shown in /info).
+    pub memory: MemoryInfo,
     pub shards: Arc<dyn ShardClient>,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,

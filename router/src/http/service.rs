@@ -94,6 +94,7 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
             running_requests: metrics.running_sequences.get() as u32,
             prompt_tokens_computed: metrics.prompt_tokens_computed.get(),
         },
+        memory: state.memory.clone(),
         version: env!("CARGO_PKG_VERSION"),
     })
 }

@@ -19,6 +19,7 @@ use tower::ServiceExt;
 
 use super::{app, AppState};
 use crate::{
+    api::MemoryInfo,
     chat_template::ChatTemplate,
     config::{BatchConfig, LimitsConfig, Scheduling},
     engine::{EngineConfig, EngineCore, EngineHandle, PreemptionConfig},
@@ -101,7 +102,7 @@ async fn server_with(
         max_queue_time: None,
         prefix_caching: true,
         preemption_mode: preemption.mode,
-        swap_space_bytes: 0,
+        swap_space_bytes: Some(0),
         kv_admission,
     };
     let scheduler = EngineConfig {
@@ -160,6 +161,7 @@ async fn server_with(
         served_model_name: "fake".into(),
         started_at: 0,
         shard_info,
+        memory: MemoryInfo::default(),
         shards,
         limits,
         batch,

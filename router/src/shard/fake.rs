@@ -164,6 +164,7 @@ impl ShardClient for FakeShard {
             num_host_blocks: self.num_host_blocks,
             swap_seconds_per_block: 1e-6,
             prefill_seconds_per_token: 1e-4,
+            ..Default::default()
         };
         async move { Ok(response) }.boxed()
     }

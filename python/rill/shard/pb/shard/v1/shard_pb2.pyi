@@ -51,16 +51,22 @@ class WarmupRequest(_message.Message):
     def __init__(self, max_batch_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_total_kv_tokens: _Optional[int] = ..., swap_space_bytes: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_host_blocks", "swap_seconds_per_block", "prefill_seconds_per_token")
+    __slots__ = ("num_blocks", "num_host_blocks", "swap_seconds_per_block", "prefill_seconds_per_token", "bytes_per_block", "kv_pool_reason", "swap_pool_reason")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAP_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_REASON_FIELD_NUMBER: _ClassVar[int]
+    SWAP_POOL_REASON_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_host_blocks: int
     swap_seconds_per_block: float
     prefill_seconds_per_token: float
-    def __init__(self, num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., swap_seconds_per_block: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
+    bytes_per_block: int
+    kv_pool_reason: str
+    swap_pool_reason: str
+    def __init__(self, num_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., swap_seconds_per_block: _Optional[float] = ..., prefill_seconds_per_token: _Optional[float] = ..., bytes_per_block: _Optional[int] = ..., kv_pool_reason: _Optional[str] = ..., swap_pool_reason: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("do_sample", "temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_p", "typical_p", "top_n_logprobs", "num_prompt_tokens", "min_new_tokens", "stop_token_ids")
