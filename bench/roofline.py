@@ -113,10 +113,9 @@ class StepDriver:
 
     def step(self, batch: int, context: int, num_new: int) -> Callable[[], object]:
         sequences = self._sequences(batch, context, num_new)
-        ids = [s.id for s in sequences]
         self.runner.forward(ForwardRequest(sequences=sequences))  # stores params; later calls omit them
         repeated = [dataclasses.replace(s, params=None) for s in sequences]
-        return lambda: self.runner.forward(ForwardRequest(sequences=repeated, released_ids=[])) and ids
+        return lambda: self.runner.forward(ForwardRequest(sequences=repeated))
 
 
 def load_runner(model_id: Path, dtype: str, max_context: int, max_batch: int) -> ModelRunner:

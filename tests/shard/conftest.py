@@ -105,7 +105,7 @@ def chunk(
 
 
 def logits_of(runner: ModelRunner, *sequences: SequenceChunk) -> torch.Tensor:
-    _, logits = runner.forward_logits(ForwardRequest(sequences=list(sequences)))
+    _, logits, _ = runner.forward_logits(ForwardRequest(sequences=list(sequences)))
     return logits
 
 

@@ -83,6 +83,18 @@ def test_builds_into_the_cache_then_loads():
     assert cpu.build_dir().name.startswith("cpu-")
 
 
+def test_a_cached_library_loads_without_a_compiler_and_a_missing_one_says_why(monkeypatch):
+    cpu.load()
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    assert cpu.is_available()
+    assert hasattr(cpu.load.__wrapped__(), "paged_attention")  # imported from the cache, nothing built
+    monkeypatch.setattr(cpu, "is_built", lambda: False)
+    assert not cpu.is_available()
+    assert cpu.unavailable_reason() == "no C++ compiler (g++/c++) on PATH to build Rill's CPU kernels"
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        cpu.load.__wrapped__()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("group", [1, 3, 4, 8])

@@ -373,13 +373,15 @@ def test_penalized_generation_over_chunks_matches_reference(
 
     seq_id, runner = 1001, llama_runner
     runner.forward(ForwardRequest(sequences=[chunk(seq_id, PROMPT[:4], 0, 1, sample=False, params=params)]))
-    generations = runner.forward(ForwardRequest(sequences=[chunk(seq_id, PROMPT[4:], 4, 1, params=None)]))
+    generations = runner.forward(
+        ForwardRequest(sequences=[chunk(seq_id, PROMPT[4:], 4, 1, params=None)])
+    ).generations
     tokens = [generations[0].token_id]
     for step in range(num_new_tokens - 1):
         position = len(PROMPT) + step
         generations = runner.forward(
             ForwardRequest(sequences=[chunk(seq_id, tokens[-1:], position, 1, params=None)])
-        )
+        ).generations
         tokens.append(generations[0].token_id)
     assert tokens == expected
     assert runner.history.get(seq_id) == PROMPT + tokens[:-1]
@@ -391,11 +393,13 @@ def test_penalized_generation_over_chunks_matches_reference(
 
 def test_prefix_hit_with_cached_token_ids_matches_full_prefill(llama_runner: ModelRunner) -> None:
     runner = llama_runner
-    full = runner.forward(ForwardRequest(sequences=[chunk(1010, PROMPT, 0, 30, params=PENALIZED)]))[0]
+    full = runner.forward(
+        ForwardRequest(sequences=[chunk(1010, PROMPT, 0, 30, params=PENALIZED)])
+    ).generations[0]
     # 1011 reuses 1010's first two blocks (positions [0, 8)) and computes the rest into its own block.
     hit = dataclasses.replace(chunk(1011, PROMPT[8:], 8, 30, params=PENALIZED), cached_token_ids=PROMPT[:8])
     hit = dataclasses.replace(hit, block_table=[30, 31, 40])
-    generation = runner.forward(ForwardRequest(sequences=[hit]))[0]
+    generation = runner.forward(ForwardRequest(sequences=[hit])).generations[0]
     assert (generation.token_id, generation.logprob) == (full.token_id, full.logprob)
     assert generation.top_logprobs == full.top_logprobs
     assert runner.history.get(1011) == PROMPT
@@ -419,9 +423,9 @@ def test_known_sequence_with_a_gap_in_history_is_refused(llama_runner: ModelRunn
 def test_sampled_logprobs_come_from_raw_model_logits(llama_runner: ModelRunner) -> None:
     raw = logits_of(llama_runner, chunk(1030, PROMPT, 0, 60))[0]
     params = dataclasses.replace(PENALIZED, do_sample=True, seed=4, temperature=0.5, top_n_logprobs=20)
-    generation = llama_runner.forward(ForwardRequest(sequences=[chunk(1031, PROMPT, 0, 70, params=params)]))[
-        0
-    ]
+    generation = llama_runner.forward(
+        ForwardRequest(sequences=[chunk(1031, PROMPT, 0, 70, params=params)])
+    ).generations[0]
     raw_logprobs = torch.log_softmax(raw, dim=-1)
     assert generation.logprob == pytest.approx(raw_logprobs[generation.token_id].item(), abs=1e-5)
     values, ids = raw_logprobs.topk(20)

@@ -63,13 +63,20 @@ def test_params_kept_until_released(llama_runner: ModelRunner) -> None:
 def test_greedy_generation_matches_transformers(llama_dir: Path, llama_runner: ModelRunner) -> None:
     prompt, num_new_tokens = [3, 141, 59, 26, 53, 58, 97], 8
     tokens: list[int] = []
-    generations = llama_runner.forward(ForwardRequest(sequences=[chunk(60, prompt, 0, first_block=1)]))
+    generations = llama_runner.forward(
+        ForwardRequest(sequences=[chunk(60, prompt, 0, first_block=1)])
+    ).generations
     for step in range(num_new_tokens - 1):
         tokens.append(generations[0].token_id)
         position = len(prompt) + step
         generations = llama_runner.forward(
             ForwardRequest(sequences=[chunk(60, [tokens[-1]], position, first_block=1, params=None)])
-        )
+        ).generations
     tokens.append(generations[0].token_id)
     assert tokens == hf_greedy(llama_dir, prompt, num_new_tokens)
     assert generations[0].logprob <= 0
+
+
+def test_forward_reports_the_model_time_in_its_result(llama_runner: ModelRunner) -> None:
+    result = llama_runner.forward(ForwardRequest(sequences=[chunk(70, [1, 2, 3], 0, first_block=1)]))
+    assert len(result.generations) == 1 and result.model_seconds > 0

@@ -67,15 +67,19 @@ def test_a_swapped_sequence_continues_with_the_same_tokens(llama_dir: Path) -> N
             request = ForwardRequest(
                 sequences=[chunk(1, tokens[-1:], len(tokens) - 1, first_block, params=None)]
             )
-            tokens.append(runner.forward(request)[0].token_id)
+            tokens.append(runner.forward(request).generations[0].token_id)
         return tokens
 
     # Without preemption: prompt in blocks 1.., then 6 decodes.
-    tokens = prompt + [runner.forward(ForwardRequest(sequences=[chunk(1, prompt, 0, 1)]))[0].token_id]
+    tokens = prompt + [
+        runner.forward(ForwardRequest(sequences=[chunk(1, prompt, 0, 1)])).generations[0].token_id
+    ]
     expected = decode(1, 6, tokens)
     runner.forward(ForwardRequest(sequences=[chunk(2, [1], 0, 20)], released_ids=[1]))
 
-    tokens = prompt + [runner.forward(ForwardRequest(sequences=[chunk(1, prompt, 0, 1)]))[0].token_id]
+    tokens = prompt + [
+        runner.forward(ForwardRequest(sequences=[chunk(1, prompt, 0, 1)])).generations[0].token_id
+    ]
     tokens = decode(1, 2, tokens)  # 12 tokens, the first 11 computed (in blocks 1..3)
     # Swap out blocks 1..3 while another sequence overwrites them in the same call.
     runner.forward(
@@ -89,5 +93,5 @@ def test_a_swapped_sequence_continues_with_the_same_tokens(llama_dir: Path) -> N
         sequences=[chunk(1, tokens[-1:], len(tokens) - 1, 10, params=None)],
         swap_in=[BlockCopy(10, 3), BlockCopy(11, 1), BlockCopy(12, 2)],
     )
-    tokens.append(runner.forward(request)[0].token_id)
+    tokens.append(runner.forward(request).generations[0].token_id)
     assert decode(10, 3, tokens) == expected

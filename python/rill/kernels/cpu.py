@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import shutil
 import time
@@ -92,7 +93,10 @@ def is_available() -> bool:
 
 @functools.cache
 def load(verbose: bool = False) -> ModuleType:
-    """Builds (first time on this machine) or loads (cached) the extension."""
+    """Builds (first time on this machine) or loads (cached) the extension. A cached library is imported
+    directly: a later start needs neither the compiler nor ninja."""
+    if is_built():
+        return _import_library()
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(reason)
@@ -100,9 +104,7 @@ def load(verbose: bool = False) -> ModuleType:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    fresh = not is_built()
-    if fresh:
-        logger.info("building Rill's CPU kernels (once, ~1 min) into %s", directory)
+    logger.info("building Rill's CPU kernels (once, ~1 min) into %s", directory)
     start = time.perf_counter()
     module = cpp_extension.load(
         name=_library_name(),
@@ -112,8 +114,16 @@ def load(verbose: bool = False) -> ModuleType:
         build_directory=str(directory),
         verbose=verbose,
     )
-    if fresh:
-        logger.info("built Rill's CPU kernels in %.0f s", time.perf_counter() - start)
+    logger.info("built Rill's CPU kernels in %.0f s", time.perf_counter() - start)
+    return module
+
+
+def _import_library() -> ModuleType:
+    name = _library_name()
+    spec = importlib.util.spec_from_file_location(name, build_dir() / f"{name}.so")
+    assert spec is not None and spec.loader is not None, "a file location always gives a spec with a loader"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 

@@ -244,14 +244,18 @@ def uniform_noise(
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Steps 1-4 of the module docstring (bias, repetition, frequency/presence, min_new_tokens), every row."""
-    bias_values = batch.bias_values.to(logits.dtype)
-    logits = logits.index_put((batch.bias_rows, batch.bias_token_ids), bias_values, accumulate=True)
+    # Each step below copies [rows, vocab]: skipped when it would change nothing (the common greedy batch).
+    if batch.bias_rows.numel():
+        bias_values = batch.bias_values.to(logits.dtype)
+        logits = logits.index_put((batch.bias_rows, batch.bias_token_ids), bias_values, accumulate=True)
     if batch.counts is not None:
         logits = apply_repetition_penalty(logits, batch.counts.is_seen, batch.repetition_penalty)
         logits = apply_frequency_presence_penalties(
             logits, batch.counts.num_generated, batch.frequency_penalty, batch.presence_penalty
         )
-    return logits.index_put((batch.stop_rows, batch.stop_token_ids), logits.new_tensor(float("-inf")))
+    if batch.stop_rows.numel():
+        logits = logits.index_put((batch.stop_rows, batch.stop_token_ids), logits.new_tensor(float("-inf")))
+    return logits
 
 
 def warp_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -112,7 +112,9 @@ void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, 
       float denom_lanes[kLanes];
       store(denom_lanes, denom);
       for (int64_t i = 0; i < n; ++i) silu[i] = g[i] / denom_lanes[i];
-      for (int64_t i = 0; i < n; ++i) dst[i0 + i] = round_mul<T>(to_float(from_float<T>(silu[i])), to_float(up[i0 + i]));
+      for (int64_t i = 0; i < n; ++i) {
+        dst[i0 + i] = round_mul<T>(to_float(from_float<T>(silu[i])), to_float(up[i0 + i]));
+      }
     }
   }
 }
