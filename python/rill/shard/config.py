@@ -15,7 +15,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "cuda", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ class ShardConfig:
     from `Info`). `num_threads` is torch's intra-op thread count on the CPU (0 = torch's default).
     With `world_size` > 1 the ranks rendezvous through `dist_init_method`, a torch.distributed URL
     (tcp://127.0.0.1:PORT, or file:///PATH in a folder private to one launch).
-    `attention_backend` picks the CUDA kernels of kernels/ or the torch references for attention, KV writes,
-    norms and rotary (auto: kernels on cuda, references on cpu); `cuda_graph_max_batch_size` bounds the decode
+    `attention_backend` picks the native kernels (`cpu`: rill.kernels.cpu, `cuda`: rill.kernels) or the torch
+    references (`torch`) for attention, KV writes, norms and rotary (auto: the device's kernels where they can
+    run, see `ModelRunner._choose_backend`); `cuda_graph_max_batch_size` bounds the decode
     batch sizes captured as CUDA graphs with the kernels (0: none). `otlp_endpoint`, when set, is the
     OpenTelemetry collector the server sends its `forward` spans to (rill/shard/telemetry.py).
     `cgroup_root` is where the cgroup hierarchy is mounted: the pools are sized within the memory limits
@@ -65,8 +66,10 @@ class ShardConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.attention_backend == "cuda" and self.device != "cuda":
-            raise ValueError("attention_backend 'cuda' needs device 'cuda'")
+        if self.attention_backend in ("cpu", "cuda") and self.device != self.attention_backend:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} needs device {self.attention_backend!r}"
+            )
         if self.cuda_graph_max_batch_size < 0:
             raise ValueError(f"cuda_graph_max_batch_size must be >= 0, got {self.cuda_graph_max_batch_size}")
         if self.num_threads < 0:
@@ -75,11 +78,6 @@ class ShardConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-    @property
-    def uses_cuda_kernels(self) -> bool:
-        """The resolved backend: kernels on cuda unless forced to torch; never on the CPU."""
-        return self.device == "cuda" and self.attention_backend != "torch"
 
     @property
     def torch_device(self) -> torch.device:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from rill import kernels
+from rill.kernels import cpu as cpu_kernels
 from rill.shard import distributed
 from rill.shard.batch import (
     BatchLimits,
@@ -31,6 +32,7 @@ from rill.shard.config import ShardConfig
 from rill.shard.cuda_graphs import DecodeGraphs
 from rill.shard.kv_cache import KVCache
 from rill.shard.layers.attention import ForwardContext, KernelMetadata, forward_context
+from rill.shard.layers.backend import Backend, unsupported_reasons, use_backend
 from rill.shard.memory import available_host_memory
 from rill.shard.models.registry import eos_token_ids, get_model_class, load_hf_config
 from rill.shard.sampling import SamplingBatch, SamplingParams, sample
@@ -75,6 +77,14 @@ class WarmupResult:
     swap_pool_reason: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardResult:
+    """What one Prefill/Decode call produced."""
+
+    generations: list[Generation]  # one per sampled chunk, in request order
+    model_seconds: float  # wall time of the model forward, embedding to logits (reported to the router)
+
+
 class NotReadyError(RuntimeError):
     """A forward was asked for before `warmup` allocated the KV pool."""
 
@@ -82,8 +92,6 @@ class NotReadyError(RuntimeError):
 class ModelRunner:
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
-        # Wall time of the latest model forward (embedding to logits), reported to the router.
-        self.last_model_time_s = 0.0
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.hf_config = load_hf_config(config.model_path)
@@ -98,7 +106,8 @@ class ModelRunner:
         self.model.eval()
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
         self.kv_cache: KVCache | None = None
-        self.uses_cuda_kernels = self._resolve_kernels()
+        self.backend = self._choose_backend()
+        use_backend(self.model, self.backend)
         self.decode_graphs: DecodeGraphs | None = None
         self.params_by_id: dict[int, SamplingParams] = {}
         self.history = TokenHistory()
@@ -113,30 +122,26 @@ class ModelRunner:
             config.dtype,
         )
 
-    def _resolve_kernels(self) -> bool:
-        """CUDA kernels on cuda unless forced to torch; an unsupported shape falls back to torch under auto
-        and is an error when the kernels were asked for."""
-        if not self.config.uses_cuda_kernels:
-            return False
-        layers = self.model.model.layers
-        attn = layers[0].self_attn.attn
-        reason = ""
-        if not kernels.supports(attn.head_dim, attn.num_heads, attn.num_kv_heads):
-            reason = (
-                f"the CUDA kernels support head_dim {kernels.SUPPORTED_HEAD_DIMS} and at most "
-                f"{kernels.MAX_GROUP_SIZE} query heads per KV head, not head_dim {attn.head_dim} with "
-                f"{attn.num_heads} heads / {attn.num_kv_heads} KV heads"
-            )
-        elif any(layer.self_attn.attn.sliding_window or layer.self_attn.attn.softcap for layer in layers):
-            reason = "the CUDA kernels have no sliding-window attention or attention logit soft-capping"
-        if reason:
-            if self.config.attention_backend == "cuda":
-                raise ValueError(reason)
-            logger.warning("%s: using the torch attention backend", reason)
-            return False
-        kernels.load()  # build once (cached by source hash), before the first forward
-        logger.info("attention backend: CUDA kernels")
-        return True
+    def _choose_backend(self) -> Backend:
+        """`--attention-backend`: auto runs the device's native kernels when they can run this model here
+        (else the torch references, with a log line saying why); cpu or cuda insist (an error when they
+        cannot); torch always runs the references. The kernels are built (once, cached) or loaded here."""
+        requested = self.config.attention_backend
+        if requested == "torch":
+            return Backend.TORCH
+        native = Backend.CUDA if self.device.type == "cuda" else Backend.CPU
+        reasons = unsupported_reasons(self.model, native)
+        if not reasons:
+            reasons = [reason for reason in [_load_kernels(native)] if reason]
+        if reasons:
+            if requested != "auto":
+                raise ValueError("; ".join(reasons))
+            logger.warning("%s: using the torch references", "; ".join(reasons))
+            return Backend.TORCH
+        logger.info(
+            "kernels: %s", "CPU (rill.kernels.cpu)" if native is Backend.CPU else "CUDA (rill.kernels)"
+        )
+        return native
 
     @property
     def vocab_size(self) -> int:
@@ -275,7 +280,7 @@ class ModelRunner:
 
     def _capture_decode_graphs(self, max_batch_size: int, num_blocks: int) -> None:
         max_graph_batch_size = min(max_batch_size, self.config.cuda_graph_max_batch_size)
-        if not self.uses_cuda_kernels or max_graph_batch_size < 1 or self.config.world_size > 1:
+        if self.backend is not Backend.CUDA or max_graph_batch_size < 1 or self.config.world_size > 1:
             return
         assert self.kv_cache is not None
         max_context_len = min(self.max_position_embeddings, (num_blocks - 1) * self.config.block_size)
@@ -317,9 +322,9 @@ class ModelRunner:
         return num_blocks, reason
 
     @torch.inference_mode()
-    def forward(self, request: ForwardRequest) -> list[Generation]:
+    def forward(self, request: ForwardRequest) -> ForwardResult:
         """Drops released sequences, then runs one forward pass over all chunks; one Generation per sampled
-        chunk, in request order."""
+        chunk, in request order, and the model's time."""
         if self.kv_cache is None:
             raise NotReadyError("Warmup must be called before Prefill or Decode")
         for seq_id in request.released_ids:
@@ -334,10 +339,10 @@ class ModelRunner:
         )
         return self._run(request)
 
-    def _run(self, request: ForwardRequest, check_lengths: bool = True) -> list[Generation]:
-        batch, logits = self.forward_logits(request, check_lengths)
+    def _run(self, request: ForwardRequest, check_lengths: bool = True) -> ForwardResult:
+        batch, logits, model_seconds = self.forward_logits(request, check_lengths)
         if not batch.sample_ids:
-            return []
+            return ForwardResult([], model_seconds)
         sampling = SamplingBatch.build(
             [self.params_by_id[seq_id] for seq_id in batch.sample_ids],
             batch.sample_positions,
@@ -346,7 +351,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
         )
         out = sample(logits, sampling)
-        return [
+        generations = [
             Generation(
                 id=seq_id,
                 token_id=token_id,
@@ -363,13 +368,15 @@ class ModelRunner:
                 strict=True,
             )
         ]
+        return ForwardResult(generations, model_seconds)
 
     @torch.inference_mode()
     def forward_logits(
         self, request: ForwardRequest, check_lengths: bool = True
-    ) -> tuple[BatchState, torch.Tensor]:
+    ) -> tuple[BatchState, torch.Tensor, float]:
         """Validates, stores new params, runs the model (writing K/V) and returns float32 logits
-        [num_sampled, vocab] of the sampled rows, in request order. Does not drop `released_ids`."""
+        [num_sampled, vocab] of the sampled rows, in request order, and the model's wall time in seconds.
+        Does not drop `released_ids`."""
         if self.kv_cache is None:
             raise NotReadyError("Warmup must be called before Prefill or Decode")
         limits = BatchLimits(
@@ -395,15 +402,14 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
-            if self.uses_cuda_kernels:
+            if self.backend is Backend.CUDA:
                 ctx = dataclasses.replace(ctx, kernels=self._kernel_metadata(batch))
             with forward_context(ctx):
                 hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.last_model_time_s = time.perf_counter() - start
-        return batch, logits
+        return batch, logits, time.perf_counter() - start
 
     def _kernel_metadata(self, batch: BatchState) -> KernelMetadata:
         cu = batch.cu_seqlens_q
@@ -428,3 +434,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         assert probe.item() == 2.0
 
+
+def _load_kernels(backend: Backend) -> str | None:
+    """Builds (first time) or loads the kernels of `backend`; why they cannot be used here, or None."""
+    reason = cpu_kernels.unavailable_reason() if backend is Backend.CPU else None
+    if backend is Backend.CUDA and kernels.find_cuda_home() is None:
+        reason = "nvcc not found: install the CUDA toolkit or `pip install 'rill[cuda]'`"
+    if reason:
+        return reason
+    try:
+        cpu_kernels.load() if backend is Backend.CPU else kernels.load()
+    except (RuntimeError, OSError) as error:  # a failed compile: torch's extension builder says why
+        return f"building the {backend.value} kernels failed ({error})"
+    return None

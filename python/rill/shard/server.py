@@ -155,10 +155,10 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self, request: shard_pb2.ForwardRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.ForwardResponse:
         forward_request = forward_request_from_pb(request)
-        generations = await self._call(context, lambda: self.runner.forward(forward_request))
+        result = await self._call(context, lambda: self.runner.forward(forward_request))
         return shard_pb2.ForwardResponse(
-            generations=[generation_to_pb(g) for g in generations],
-            forward_time_us=int(self.runner.last_model_time_s * 1e6),
+            generations=[generation_to_pb(g) for g in result.generations],
+            forward_time_us=int(result.model_seconds * 1e6),
         )
 
     async def _traced_forward(
@@ -274,8 +274,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",
-        help="CUDA kernels (cuda) or torch references (torch) for attention, KV writes, norms and rotary; "
-        "auto: cuda on --device cuda, torch on cpu (default: auto)",
+        help="Rill's native kernels (cpu: C++, cuda: CUDA) or the torch references (torch) for attention, KV "
+        "writes, norms and rotary; auto: the device's kernels where they can run, else torch (default: auto)",
     )
     parser.add_argument(
         "--cuda-graph-max-batch-size",
