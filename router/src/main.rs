@@ -18,7 +18,7 @@ use rill_router::{
     api::MemoryInfo,
     chat_template,
     config::{Args, Config, Scheduling},
-    engine::{EngineConfig, EngineCore, EngineHandle, PreemptionConfig},
+    engine::{preemption_config, EngineConfig, EngineCore, EngineHandle},
     http,
     kv::KvPool,
     metrics,
@@ -100,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
         max_queue_time: config.batch.max_queue_time,
         warmup: warmup_request,
         prefix_caching: config.batch.prefix_caching,
-        preemption: PreemptionConfig::from_warmup(config.batch.preemption_mode, &warmup),
+        preemption: preemption_config(config.batch.preemption_mode, &warmup),
     };
     let metrics = Arc::new(metrics::Metrics::new());
     let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
@@ -155,9 +155,7 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", config.addr))?;
     tracing::info!(addr = %config.addr, "serving HTTP");
     let drained = drain_on_signal(state.clone(), config.shutdown_timeout);
-    axum::serve(listener, http::app(state))
-        .with_graceful_shutdown(drained)
-        .await?;
+    http::serve::serve(listener, http::app(state), config.connections, drained).await;
     tracing::info!("stopped");
     Ok(())
 }

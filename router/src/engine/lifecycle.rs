@@ -5,19 +5,31 @@ use std::time::{Duration, Instant};
 
 use super::EngineCore;
 use crate::{
-    engine::swap::{PreemptionConfig, SwapPool},
-    kv::{CacheActivity, KvPool},
+    kv::{CacheActivity, KvPool, SwapPool},
+    scheduler::{PreemptionConfig, PreemptionCosts, PreemptionMode},
     shard::pb,
 };
+
+/// The preemption settings for `mode` given the shards' Warmup answer.
+pub fn preemption_config(mode: PreemptionMode, warmup: &pb::WarmupResponse) -> PreemptionConfig {
+    PreemptionConfig {
+        mode,
+        num_host_blocks: warmup.num_host_blocks,
+        costs: PreemptionCosts {
+            swap_seconds_per_block: f64::from(warmup.swap_seconds_per_block),
+            prefill_seconds_per_token: f64::from(warmup.prefill_seconds_per_token),
+        },
+    }
+}
 
 impl EngineCore {
     /// Teaches the ITL budget the step time at a few token counts with synthetic forward passes, before
     /// any request arrives. The budget keeps learning from every real step afterwards.
     pub(super) async fn calibrate(&mut self) {
         const SIZES: [usize; 5] = [1, 8, 32, 128, 512];
-        let block_size = self.config.block_size;
+        let block_size = self.scheduler.config.block_size;
         for (k, &num_tokens) in SIZES.iter().chain(SIZES.iter()).enumerate() {
-            let num_tokens = num_tokens.min(self.config.max_batch_tokens);
+            let num_tokens = num_tokens.min(self.scheduler.config.max_batch_tokens);
             let mut activity = CacheActivity::default();
             let Some(blocks) = self.kv.allocate(num_tokens.div_ceil(block_size), &mut activity) else {
                 break;
@@ -41,23 +53,17 @@ impl EngineCore {
             self.kv.release(&blocks);
             self.released_ids.push(id);
             match result {
-                Ok(_) => {
-                    if let Some(budget) = &mut self.itl_budget {
-                        budget.observe(num_tokens, started.elapsed().as_secs_f64());
-                    }
-                }
+                Ok(_) => self.scheduler.observe_step(num_tokens, started.elapsed().as_secs_f64()),
                 Err(e) => {
                     tracing::warn!(error = %e, "step-time calibration failed; the ITL budget learns while serving");
                     break;
                 }
             }
         }
-        if let Some(budget) = &self.itl_budget {
-            tracing::info!(
-                max_step_tokens = budget.max_tokens(1, self.config.max_batch_tokens),
-                "calibrated the step token budget for --target-itl-ms"
-            );
-        }
+        tracing::info!(
+            max_step_tokens = self.scheduler.max_step_tokens(),
+            "calibrated the step token budget for --target-itl-ms"
+        );
     }
 
     /// Waits until the shards answer again (the launcher restarts them with `--restart-shards`), warms
@@ -75,9 +81,9 @@ impl EngineCore {
                         let blocks = seq.reset_kv();
                         debug_assert!(blocks.is_empty(), "waiting sequences hold no blocks");
                     }
-                    self.kv = KvPool::new(warmup.num_blocks, self.config.block_size, self.prefix_caching);
-                    let mode = self.swap.mode();
-                    self.swap = SwapPool::new(PreemptionConfig::from_warmup(mode, &warmup));
+                    self.kv = KvPool::new(warmup.num_blocks, self.scheduler.config.block_size, self.prefix_caching);
+                    self.scheduler.preemption = preemption_config(self.scheduler.preemption.mode, &warmup);
+                    self.swap = SwapPool::new(warmup.num_host_blocks);
                     tracing::info!(blocks = warmup.num_blocks, "the shards are back; serving again");
                     return;
                 }

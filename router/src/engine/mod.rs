@@ -1,10 +1,19 @@
-//! The engine: one tokio task (`core`) owns every mutable serving state — the waiting queue, the running
-//! sequences, the KV block allocator — and runs the iteration loop. Handlers talk to it through an
-//! `EngineHandle`: submit a `ValidRequest`, receive a stream of `TokenEvent`s.
+//! The engine: one tokio task (`EngineCore`) owns every mutable serving state — the waiting queue, the
+//! running sequences, the KV pools — and runs the iteration loop; the scheduler decides, the engine
+//! executes. Handlers talk to it through an `EngineHandle`: submit a `ValidRequest`, receive a stream of
+//! `TokenEvent`s.
+//!
+//! By job: `event_loop.rs` (the loop and one step), `plan.rs` (what the scheduler sees, and applying its
+//! plan), `outputs.rs` (applying a forward pass's tokens), `release.rs` (cancellation, expiry, failure,
+//! and releasing a sequence), `lifecycle.rs` (calibration at start, recovery after the shards fail),
+//! `request.rs` (one sequence's state and text).
 
-mod core;
+mod event_loop;
+mod lifecycle;
+mod outputs;
+mod plan;
+mod release;
 mod request;
-mod swap;
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
@@ -14,8 +23,9 @@ use std::sync::{
 use thiserror::Error;
 use tokio::sync::mpsc;
 
-pub use self::core::{EngineConfig, EngineCore};
-pub use self::swap::PreemptionConfig;
+pub use self::event_loop::{EngineConfig, EngineCore};
+pub use self::lifecycle::preemption_config;
+pub use crate::scheduler::PreemptionConfig;
 use crate::{api::FinishReason, metrics::Metrics, validation::ValidRequest};
 
 /// A request's id, unique for the router's lifetime; it is also the sequence id the shards see.

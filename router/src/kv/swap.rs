@@ -1,57 +1,34 @@
 //! The host side of swap preemption: which blocks of the shards' host swap pools are free, and the block
 //! copies that move a sequence's K/V out of the device pool and back. The shards hold the tensors and run
-//! the copies (in the next forward call, before the forward); the engine decides them here.
+//! the copies (in the next forward call, before the forward); the scheduler decides which sequence swaps,
+//! the engine asks for its copies here.
 //!
 //! A swapped-out sequence is self-contained: every block covering its computed tokens is copied to its own
 //! host block, even blocks it shares with the prefix cache or a sibling (those stay on the device for their
 //! other holders, released normally). It is restored into fresh device blocks, so it never depends on what
 //! happened to the device pool meanwhile.
 
-use crate::{
-    kv::BlockAllocator,
-    scheduler::{choose_preemption, Preemption, PreemptionCosts, PreemptionMode},
-    shard::pb,
-};
+use super::BlockAllocator;
 
-/// How preemption works, with what the shards measured at warmup.
-#[derive(Debug, Clone, Copy)]
-pub struct PreemptionConfig {
-    pub mode: PreemptionMode,
-    /// Host blocks of the swap pool, as Warmup reported (the unused block 0 included); 0 = no swap pool.
-    pub num_host_blocks: u32,
-    pub costs: PreemptionCosts,
-}
-
-impl PreemptionConfig {
-    /// The settings for `mode` given the shards' Warmup answer.
-    pub fn from_warmup(mode: PreemptionMode, warmup: &pb::WarmupResponse) -> Self {
-        Self {
-            mode,
-            num_host_blocks: warmup.num_host_blocks,
-            costs: PreemptionCosts {
-                swap_seconds_per_block: f64::from(warmup.swap_seconds_per_block),
-                prefill_seconds_per_token: f64::from(warmup.prefill_seconds_per_token),
-            },
-        }
-    }
+/// One block's copy between the device pool and the host swap pool (the direction is the caller's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub device_block: u32,
+    pub host_block: u32,
 }
 
 pub struct SwapPool {
-    config: PreemptionConfig,
     /// Host block ids; like the device allocator, id 0 is never handed out.
     allocator: BlockAllocator,
 }
 
 impl SwapPool {
-    pub fn new(config: PreemptionConfig) -> Self {
+    /// A pool of `num_host_blocks` host blocks, as Warmup reported (the unused block 0 included); 0 = no
+    /// swap pool.
+    pub fn new(num_host_blocks: u32) -> Self {
         Self {
-            allocator: BlockAllocator::new(config.num_host_blocks.max(1)),
-            config,
+            allocator: BlockAllocator::new(num_host_blocks.max(1)),
         }
-    }
-
-    pub fn mode(&self) -> PreemptionMode {
-        self.config.mode
     }
 
     pub fn num_usable_blocks(&self) -> u32 {
@@ -62,20 +39,9 @@ impl SwapPool {
         self.allocator.num_free_blocks()
     }
 
-    /// The mechanism for a victim whose computed tokens fill `num_blocks` blocks (see `choose_preemption`).
-    pub fn choose(&self, num_blocks: usize, num_computed_tokens: usize) -> Preemption {
-        choose_preemption(
-            self.config.mode,
-            self.config.costs,
-            num_blocks,
-            num_computed_tokens,
-            self.allocator.num_free_blocks() as usize,
-        )
-    }
-
     /// Takes a host block for each device block and returns them with the copies that fill them; `None`
     /// (nothing taken) when the pool is short.
-    pub fn swap_out(&mut self, device_blocks: &[u32]) -> Option<(Vec<u32>, Vec<pb::BlockCopy>)> {
+    pub fn swap_out(&mut self, device_blocks: &[u32]) -> Option<(Vec<u32>, Vec<BlockCopy>)> {
         let host_blocks = self.allocator.allocate(device_blocks.len() as u32)?;
         let copies = copies(device_blocks, &host_blocks);
         Some((host_blocks, copies))
@@ -83,7 +49,7 @@ impl SwapPool {
 
     /// The copies restoring `host_blocks` into `device_blocks`; the host blocks are free again afterwards
     /// (the copies run before anything in a later call could overwrite them).
-    pub fn swap_in(&mut self, host_blocks: &[u32], device_blocks: &[u32]) -> Vec<pb::BlockCopy> {
+    pub fn swap_in(&mut self, host_blocks: &[u32], device_blocks: &[u32]) -> Vec<BlockCopy> {
         self.release(host_blocks);
         copies(device_blocks, host_blocks)
     }
@@ -100,12 +66,12 @@ impl SwapPool {
     }
 }
 
-fn copies(device_blocks: &[u32], host_blocks: &[u32]) -> Vec<pb::BlockCopy> {
+fn copies(device_blocks: &[u32], host_blocks: &[u32]) -> Vec<BlockCopy> {
     debug_assert_eq!(device_blocks.len(), host_blocks.len());
     device_blocks
         .iter()
         .zip(host_blocks)
-        .map(|(&device_block, &host_block)| pb::BlockCopy {
+        .map(|(&device_block, &host_block)| BlockCopy {
             device_block,
             host_block,
         })
@@ -116,22 +82,13 @@ fn copies(device_blocks: &[u32], host_blocks: &[u32]) -> Vec<pb::BlockCopy> {
 mod tests {
     use super::*;
 
-    fn pool(num_host_blocks: u32, mode: PreemptionMode) -> SwapPool {
-        SwapPool::new(PreemptionConfig {
-            mode,
-            num_host_blocks,
-            costs: PreemptionCosts::default(),
-        })
-    }
-
     #[test]
     fn blocks_go_out_and_come_back_and_the_pool_is_whole() {
-        let mut swap = pool(5, PreemptionMode::Swap); // 4 usable host blocks
-        assert_eq!(swap.choose(3, 12), Preemption::Swap);
+        let mut swap = SwapPool::new(5); // 4 usable host blocks
         let (host, out) = swap.swap_out(&[7, 3, 9]).expect("room");
         assert_eq!(out.len(), 3);
         assert!(out.iter().zip(&host).all(|(c, &h)| c.host_block == h && h != 0));
-        assert_eq!(swap.choose(2, 8), Preemption::Recompute, "only one host block left");
+        assert_eq!(swap.num_free_blocks(), 1);
         assert!(swap.swap_out(&[1, 2]).is_none());
         let back = swap.swap_in(&host, &[11, 12, 13]);
         assert_eq!(
@@ -143,9 +100,9 @@ mod tests {
     }
 
     #[test]
-    fn without_a_swap_pool_everything_is_recomputed() {
-        let swap = pool(0, PreemptionMode::Swap);
+    fn without_a_swap_pool_there_is_no_host_block() {
+        let swap = SwapPool::new(0);
         assert_eq!(swap.num_usable_blocks(), 0);
-        assert_eq!(swap.choose(1, 4), Preemption::Recompute);
+        assert_eq!(swap.num_free_blocks(), 0);
     }
 }

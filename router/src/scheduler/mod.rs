@@ -9,9 +9,11 @@
 
 mod budget;
 mod preemption;
+mod step;
 
 pub use budget::ItlBudget;
 pub use preemption::{choose_preemption, Preemption, PreemptionCosts, PreemptionMode};
+pub use step::{PreemptionConfig, Scheduler, LOOKUP_WINDOW};
 
 use crate::engine::RequestId;
 
@@ -101,13 +103,20 @@ pub struct StepPlan {
     pub scheduled: Vec<Scheduled>,
     /// Waiting sequences admitted this step, in admission order.
     pub admitted: Vec<RequestId>,
-    /// Running sequences suspended to free their blocks. The engine picks the mechanism per victim
-    /// (`choose_preemption`): recomputed ones go back to the front of the waiting queue and recompute their
-    /// K/V when readmitted; swapped ones wait in the swapped queue with their K/V in host memory.
+    /// Running sequences suspended to free their blocks, in preemption order. Those in `swapped_out` wait
+    /// in the swapped queue with their K/V in host memory; the others go back to the front of the waiting
+    /// queue and recompute their K/V when readmitted.
     pub preempted: Vec<RequestId>,
+    /// The victims of `preempted` whose K/V are copied to the host swap pool (`choose_preemption` decided,
+    /// victim by victim).
+    pub swapped_out: Vec<RequestId>,
     /// Swapped sequences resumed this step, oldest first. Each is also in `scheduled`, where its
     /// `num_new_blocks` counts every device block it gets: the first ones receive its swapped-in K/V.
     pub resumed: Vec<RequestId>,
+    /// Waiting requests held back because a sequence ahead computes a longer part of their prompt.
+    pub deferred: Vec<RequestId>,
+    /// Waiting requests that stay waiting while later arrivals were admitted: (request, number of those).
+    pub overtaken: Vec<(RequestId, u32)>,
 }
 
 impl StepPlan {

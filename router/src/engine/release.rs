@@ -1,0 +1,142 @@
+//! Where sequences leave other than by finishing: cancelled by their client, expired in the queue, or
+//! failed with the shards; and the one release path every leaving sequence takes, which returns its
+//! blocks (device and host) and tells the shards to drop its state.
+
+use std::time::Instant;
+
+use super::{request::Sequence, EngineCore, EngineError};
+use crate::{kv::CacheActivity, metrics::Outcome};
+
+impl EngineCore {
+    /// Cancels sequences whose clients have gone, wherever they are. Choices waiting on a cancelled
+    /// sequence's prompt are not lost: the first of them takes its place in the waiting queue.
+    pub(super) fn drop_cancelled(&mut self) {
+        let mut cancelled = Vec::new();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].is_cancelled() {
+                cancelled.push(self.waiting.remove(i).expect("index in range"));
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].is_cancelled() {
+                cancelled.push(self.running.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.swapped.len() {
+            if self.swapped[i].is_cancelled() {
+                cancelled.push(self.swapped.remove(i).expect("index in range"));
+            } else {
+                i += 1;
+            }
+        }
+        for mut seq in cancelled {
+            tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "cancelled", "client went away");
+            self.metrics.count_request(Outcome::Cancelled);
+            self.metrics.cancelled_tokens.inc_by(seq.token_ids.len() as u64);
+            self.release(&mut seq);
+            let mut forks = std::mem::take(&mut seq.forks);
+            if !forks.is_empty() {
+                let mut heir = forks.remove(0);
+                heir.forks = forks;
+                self.waiting.push_front(Sequence::new(heir));
+            }
+        }
+    }
+
+    /// Fails requests that have waited for admission longer than `--max-queue-time`.
+    pub(super) fn expire_waiting(&mut self) {
+        let Some(limit) = self.max_queue_time else { return };
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let seq = &self.waiting[i];
+            if seq.admitted_at.is_none() && now - seq.arrived_at > limit {
+                let mut seq = self.waiting.remove(i).expect("index in range");
+                tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "expired", "waited longer than --max-queue-time");
+                seq.fail(EngineError::QueueTimeout(limit.as_secs()));
+                for _ in 0..=seq.forks.len() {
+                    self.metrics.count_request(Outcome::Failed);
+                }
+                self.release(&mut seq);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// A failed forward leaves the shards' state unknown: every running request fails, the shards are
+    /// cleared, and waiting requests start afresh.
+    pub(super) async fn fail_all(&mut self, message: String) {
+        tracing::error!(%message, "forward pass failed; failing the running requests");
+        // Swapped sequences too: the failed call may have carried their copies out.
+        let failed: Vec<_> = std::mem::take(&mut self.running)
+            .into_iter()
+            .chain(std::mem::take(&mut self.swapped))
+            .collect();
+        for mut seq in failed {
+            seq.fail(EngineError::Shard(message.clone()));
+            for _ in 0..=seq.forks.len() {
+                self.metrics.count_request(Outcome::Failed);
+            }
+            self.release(&mut seq);
+        }
+        self.released_ids.clear();
+        self.swap_out.clear();
+        self.swap_in.clear();
+        if let Err(e) = self.shards.clear_cache().await {
+            // The shards are gone: nobody knows when (or whether) they come back, so the queued requests
+            // fail now rather than hang; requests that arrive later wait for the recovery.
+            tracing::error!(error = %e, "the shards do not answer; failing the queue, waiting for them");
+            for seq in std::mem::take(&mut self.waiting) {
+                seq.fail(EngineError::Shard(message.clone()));
+                for _ in 0..=seq.forks.len() {
+                    self.metrics.count_request(Outcome::Failed);
+                }
+            }
+            self.publish_stats();
+            self.recover().await;
+        }
+    }
+
+    /// Returns a sequence's blocks (device and host) to their pools and tells the shards to drop its state
+    /// on the next call.
+    pub(super) fn release(&mut self, seq: &mut Sequence) {
+        if seq.is_known_to_shards {
+            self.released_ids.push(seq.id.0);
+        }
+        if !seq.host_blocks.is_empty() {
+            let host_blocks = std::mem::take(&mut seq.host_blocks);
+            // A copy out not sent yet must not land in blocks someone else may get now.
+            self.swap_out.retain(|copy| !host_blocks.contains(&copy.host_block));
+            self.swap.release(&host_blocks);
+        }
+        // Prompt and generated tokens stay cached (the next turn of a chat, a resumed preemption hits).
+        self.cache_computed(seq);
+        let blocks = seq.reset_kv();
+        self.kv.release(&blocks);
+    }
+
+    /// Enters a sequence's computed full blocks into the prefix cache.
+    pub(super) fn cache_computed(&mut self, seq: &Sequence) {
+        let mut activity = CacheActivity::default();
+        let tokens = &seq.token_ids[..seq.num_computed_tokens];
+        self.kv.cache(seq.cache_salt(), tokens, &seq.blocks, &mut activity);
+        self.count_cache_activity(activity);
+    }
+
+    pub(super) fn count_cache_activity(&self, activity: CacheActivity) {
+        self.metrics
+            .prefix_cache_inserted_blocks
+            .inc_by(activity.num_inserted_blocks as u64);
+        self.metrics
+            .prefix_cache_evicted_blocks
+            .inc_by(activity.num_evicted_blocks as u64);
+    }
+}
