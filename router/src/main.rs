@@ -155,7 +155,9 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", config.addr))?;
     tracing::info!(addr = %config.addr, "serving HTTP");
     let drained = drain_on_signal(state.clone(), config.shutdown_timeout);
-    http::serve::serve(listener, http::app(state), config.connections, drained).await;
+    axum::serve(listener, http::app(state))
+        .with_graceful_shutdown(drained)
+        .await?;
     tracing::info!("stopped");
     Ok(())
 }
