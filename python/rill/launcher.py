@@ -129,7 +129,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument(
         "-h", "--help", action="store_true", help="show the launcher's and the router's flags"
     )
-    flag("model-id", Path, None, "Hugging Face-layout model folder; auto = built-in SmolLM2-135M-Instruct")
+    flag(
+        "model-id",
+        Path,
+        None,
+        "Hugging Face-layout model folder, or a .gguf file (converted once into the cache); "
+        "auto = built-in SmolLM2-135M-Instruct",
+    )
     flag("num-shard", int, "1", "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
     flag("device", str, None, "cpu or cuda; auto = cuda when torch sees a GPU, else cpu")
     flag("dtype", str, None, "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda")
@@ -184,11 +190,13 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         num_threads = _num_cpus()
     try:
         router_bin = args.router_bin or find_router_bin(environ)
-        model_id = args.model_id or _default_model()
+        model_id = _gguf_model(args.model_id) if args.model_id else _default_model()
     except RuntimeError as error:
         parser.error(str(error))
     if not model_id.is_dir():
-        parser.error(f"--model-id {model_id} is not a folder (expected a Hugging Face-layout model folder)")
+        parser.error(
+            f"--model-id {model_id} is not a folder (expected a Hugging Face-layout folder or a .gguf file)"
+        )
     return LaunchConfig(
         model_id=model_id,
         num_shard=args.num_shard,
@@ -231,6 +239,15 @@ def _default_device() -> str:
 
 def _num_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _gguf_model(model_id: Path) -> Path:
+    """A .gguf file's converted folder (rill.shard.default_model); any other path as given."""
+    if model_id.suffix.lower() != ".gguf":
+        return model_id
+    from rill.shard.default_model import ensure_gguf_model
+
+    return ensure_gguf_model(model_id)
 
 
 def _default_model() -> Path:

