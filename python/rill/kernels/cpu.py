@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "cpu"
-SOURCES = ("binding.cpp", "attention.cpp", "elementwise.cpp")
+SOURCES = ("binding.cpp", "attention.cpp", "elementwise.cpp", "linear.cpp")
 HEADERS = ("ops.h", "vec.h")
 # -ffp-contract=off: no implicit fused multiply-adds, so each product rounds where the torch reference rounds;
 # the kernels ask for FMAs explicitly where they want them.
@@ -200,3 +200,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], x2.shape[1] // 2), dtype=x.dtype)
     load().silu_and_mul(out, x2)
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in]^T in x's dtype (float32 with `float32_out`, for logits). Row r of the
+    result depends only on row r of x: the same bits in a batch of 1 or 1000 and on any number of threads."""
+    return load().linear(x, weight, float32_out)

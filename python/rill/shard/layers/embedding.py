@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from rill.shard import distributed
+from rill.shard.layers.backend import KernelLayer
 from rill.shard.layers.linear import copy_into, invariant_matmul, loaded_shape, read_part
 
 
@@ -50,9 +51,9 @@ class Embedding(VocabParallel):
         return distributed.all_reduce(rows)
 
 
-class LMHead(VocabParallel):
+class LMHead(VocabParallel, KernelLayer):
     """Logits for the given hidden rows, in float32. With tied embeddings, `weight` is the embedding's."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = invariant_matmul(hidden, self.weight).float()
+        logits = invariant_matmul(hidden, self.weight, self.backend).float()
         return distributed.all_gather_cat(logits, dim=-1)[:, : self.vocab_size]

@@ -1,9 +1,13 @@
 """Linear layers, tensor-parallel, whose per-row results do not depend on how many rows are in the batch.
 
-Invariant: every matmul of activations by a weight goes through `invariant_matmul`, which pads the row count
-up to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE). CPU GEMM picks different kernels for very small row
-counts (measured: 1..5 rows differ bitwise from the same rows inside a larger product), so without padding a
-decode step would not reproduce the logits of the same token computed inside a prefill.
+Invariant: every matmul of activations by a weight goes through `invariant_matmul`, whose row r depends only
+on row r of its input. On the CPU kernels (float32) that is `rill.kernels.cpu.linear`, whose arithmetic per
+output is fixed whatever the row count or thread count. The torch reference pads the row count up to a
+multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): CPU GEMM (MKL/oneDNN) picks different kernels for small row
+counts (measured: with 1 thread, 1..15 rows differ bitwise from the same rows inside a 600-row product);
+with 2 threads it also splits some shapes differently at larger row counts (a [1536 -> 576] product differed
+at 64 and 100 rows), which padding cannot fix and the CPU kernel does. In bfloat16, where Rill promises no
+batch invariance, the CPU backend calls torch's matmul as it is (oneDNN, AMX where the CPU has it).
 
 Tensor parallelism (Megatron-style, as in vLLM and nano-vllm): a column-parallel layer holds this rank's
 slice of the output features and returns its slice of the output (no communication); a row-parallel layer
@@ -24,13 +28,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from rill.kernels import cpu as cpu_kernels
 from rill.shard import distributed
+from rill.shard.layers.backend import Backend, KernelLayer
 
 ROW_MULTIPLE = 16
 
 
-def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weight.T` for x of shape [rows, in]; row r of the result depends only on row r of x."""
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, backend: Backend = Backend.TORCH) -> torch.Tensor:
+    """`x @ weight.T` for x of shape [rows, in]; row r of the result depends only on row r of x (float32)."""
+    if backend is Backend.CPU:
+        return cpu_kernels.linear(x, weight) if x.dtype == torch.float32 else x @ weight.T
     num_rows = x.shape[0]
     padded_rows = max(ROW_MULTIPLE, -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE)
     if padded_rows != num_rows:
@@ -68,7 +76,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class Linear(nn.Module):
+class Linear(KernelLayer):
     """y = x W^T (+ b), replicated on every rank, batch-invariant. Bias is added after the matmul (addmm
     takes another path)."""
 
@@ -87,7 +95,7 @@ class Linear(nn.Module):
         copy_into(param.data, read_part(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = invariant_matmul(x, self.weight)
+        y = invariant_matmul(x, self.weight, self.backend)
         return y if self.bias is None else y + self.bias
 
 
@@ -193,7 +201,7 @@ class RowParallelLinear(Linear):
         copy_into(param.data, read_part(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = distributed.all_reduce(invariant_matmul(x, self.weight))
+        y = distributed.all_reduce(invariant_matmul(x, self.weight, self.backend))
         return y if self.bias is None else y + self.bias
 
 

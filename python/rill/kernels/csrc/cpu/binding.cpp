@@ -211,6 +211,27 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   }
 }
 
+// x [M, K] @ w [N, K]^T, same dtype; the result in x's dtype, or float32 with `float32_out` (logits).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool float32_out) {
+  check_cpu(x, "x");
+  check_same_dtype(w, x, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear needs x [M, K] and w [N, K], got ",
+              x.sizes(), " and ", w.sizes());
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = wc.size(0);
+  auto y = at::empty({m, n}, xc.options().dtype(float32_out ? at::kFloat : xc.scalar_type()));
+  if (m == 0 || n == 0) return y;
+  if (xc.scalar_type() == at::kFloat) {
+    rill_cpu::linear(ptr<const float>(xc), ptr<const float>(wc), ptr<float>(y), m, k, n);
+  } else if (float32_out) {
+    rill_cpu::linear(ptr<const bf16>(xc), ptr<const bf16>(wc), ptr<float>(y), m, k, n);
+  } else {
+    rill_cpu::linear(ptr<const bf16>(xc), ptr<const bf16>(wc), ptr<bf16>(y), m, k, n);
+  }
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -222,6 +243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, release_gil);
   m.def("rotary_embedding", &rotary_embedding, release_gil);
   m.def("silu_and_mul", &silu_and_mul, release_gil);
+  m.def("linear", &linear, release_gil);
 #if defined(__AVX512F__)
   m.attr("HAS_AVX512") = true;
 #else

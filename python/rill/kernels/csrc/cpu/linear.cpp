@@ -8,21 +8,22 @@
 // so each loaded vector feeds 4 FMAs); they never change an output's arithmetic. The K tail (K not a multiple
 // of the chunk) is read with masked loads that fill zeros, so it adds exact zeros.
 //
-// Registered as torch.ops.rill_cpu.linear(x, w) -> y. x: [M, K], w: [N, K], both contiguous, same dtype.
+// x: [M, K] and w: [N, K], row-major; y: [M, N]. The torch binding (binding.cpp) checks the tensors.
 
 #include <ATen/Parallel.h>
-#include <torch/library.h>
-#include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
+
+#include "ops.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+namespace rill_cpu {
 namespace {
 
 constexpr int kRowTile = 4;     // x rows sharing each weight load
@@ -59,7 +60,7 @@ inline void tile_f32(const float* const* xs, const float* const* ws, int64_t k, 
 
 #if defined(__AVX512BF16__)
 template <int R, int W>
-inline void tile_bf16(const c10::BFloat16* const* xs, const c10::BFloat16* const* ws, int64_t k,
+inline void tile_bf16(const bf16* const* xs, const bf16* const* ws, int64_t k,
                       float out[R][W]) {
   __m512 acc[R][W];
   for (int i = 0; i < R; ++i)
@@ -88,7 +89,7 @@ inline void tile_portable(const T* const* xs, const T* const* ws, int64_t k, flo
     for (int j = 0; j < W; ++j) {
       float lanes[16] = {};
       for (int64_t idx = 0; idx < k; ++idx) {
-        lanes[idx % 16] = std::fmaf(static_cast<float>(xs[i][idx]), static_cast<float>(ws[j][idx]),
+        lanes[idx % 16] = std::fmaf(to_float(xs[i][idx]), to_float(ws[j][idx]),
                                     lanes[idx % 16]);
       }
       for (int width = 8; width >= 1; width /= 2)
@@ -106,7 +107,7 @@ inline void tile(const T* const* xs, const T* const* ws, int64_t k, float out[R]
     return;
   }
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, bf16>) {
     tile_bf16<R, W>(xs, ws, k, out);
     return;
   }
@@ -125,14 +126,16 @@ inline void run_tile(const T* x, const T* w, Out* y, int64_t k, int64_t n, int64
   float out[R][W];
   tile<T, R, W>(xs, ws, k, out);
   for (int i = 0; i < R; ++i)
-    for (int j = 0; j < W; ++j) y[(r0 + i) * n + n0 + j] = static_cast<Out>(out[i][j]);
+    for (int j = 0; j < W; ++j) y[(r0 + i) * n + n0 + j] = from_float<Out>(out[i][j]);
 }
 
+// Rows [r_begin, r_end) against weight rows [n0, n0 + W); r_begin is a multiple of kRowTile.
 template <typename T, typename Out, int W>
-inline void run_rows(const T* x, const T* w, Out* y, int64_t m, int64_t k, int64_t n, int64_t n0) {
-  int64_t r = 0;
-  for (; r + kRowTile <= m; r += kRowTile) run_tile<T, Out, kRowTile, W>(x, w, y, k, n, r, n0);
-  switch (m - r) {
+inline void run_rows(const T* x, const T* w, Out* y, int64_t r_begin, int64_t r_end, int64_t k, int64_t n,
+                     int64_t n0) {
+  int64_t r = r_begin;
+  for (; r + kRowTile <= r_end; r += kRowTile) run_tile<T, Out, kRowTile, W>(x, w, y, k, n, r, n0);
+  switch (r_end - r) {
     case 3: run_tile<T, Out, 3, W>(x, w, y, k, n, r, n0); break;
     case 2: run_tile<T, Out, 2, W>(x, w, y, k, n, r, n0); break;
     case 1: run_tile<T, Out, 1, W>(x, w, y, k, n, r, n0); break;
@@ -140,58 +143,40 @@ inline void run_rows(const T* x, const T* w, Out* y, int64_t m, int64_t k, int64
   }
 }
 
-// Work item g covers weight rows [g * kWeightTile, ...) for every x row, so each group of weight rows is read
-// from memory once and stays in cache while all x rows pass over it.
+// A task is a chunk of kRowChunk x rows against a block of kGroupBlock groups of kWeightTile weight rows: both
+// stay in cache while the block's groups pass over the chunk's rows (each group's rows stay in L1 meanwhile).
+// A decode batch is one row chunk, so its tasks split the weights and every weight is read from memory once.
+constexpr int64_t kRowChunk = 64;
+constexpr int64_t kGroupBlock = 16;
+
+}  // namespace
+
 template <typename T, typename Out>
-void linear_impl(const T* x, const T* w, Out* y, int64_t m, int64_t k, int64_t n) {
+void linear(const T* x, const T* w, Out* y, int64_t m, int64_t k, int64_t n) {
   const int64_t num_groups = (n + kWeightTile - 1) / kWeightTile;
-  // Enough groups per task that scheduling costs little, few enough that both cores get work.
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, num_groups / 16));
-  at::parallel_for(0, num_groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * kWeightTile;
-      switch (std::min<int64_t>(kWeightTile, n - n0)) {
-        case 4: run_rows<T, Out, 4>(x, w, y, m, k, n, n0); break;
-        case 3: run_rows<T, Out, 3>(x, w, y, m, k, n, n0); break;
-        case 2: run_rows<T, Out, 2>(x, w, y, m, k, n, n0); break;
-        default: run_rows<T, Out, 1>(x, w, y, m, k, n, n0); break;
+  const int64_t num_group_blocks = (num_groups + kGroupBlock - 1) / kGroupBlock;
+  const int64_t num_row_chunks = (m + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, num_row_chunks * num_group_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r_begin = task / num_group_blocks * kRowChunk;
+      const int64_t r_end = std::min(m, r_begin + kRowChunk);
+      const int64_t g_begin = task % num_group_blocks * kGroupBlock;
+      const int64_t g_end = std::min(num_groups, g_begin + kGroupBlock);
+      for (int64_t g = g_begin; g < g_end; ++g) {
+        const int64_t n0 = g * kWeightTile;
+        switch (std::min<int64_t>(kWeightTile, n - n0)) {
+          case 4: run_rows<T, Out, 4>(x, w, y, r_begin, r_end, k, n, n0); break;
+          case 3: run_rows<T, Out, 3>(x, w, y, r_begin, r_end, k, n, n0); break;
+          case 2: run_rows<T, Out, 2>(x, w, y, r_begin, r_end, k, n, n0); break;
+          default: run_rows<T, Out, 1>(x, w, y, r_begin, r_end, k, n, n0); break;
+        }
       }
     }
   });
 }
 
-// out_dtype: the result's dtype (x's dtype, or float32 for logits straight from bfloat16 weights).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, c10::ScalarType out_dtype) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "rill_cpu.linear: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "rill_cpu.linear: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.size(1) == w.size(1), "rill_cpu.linear: x has K=", x.size(1), ", w has K=", w.size(1));
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rill_cpu.linear: x and w dtypes differ");
-  TORCH_CHECK(out_dtype == x.scalar_type() || out_dtype == at::kFloat,
-              "rill_cpu.linear: out_dtype must be x's dtype or float32");
-  const auto xc = x.contiguous();
-  const auto wc = w.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = wc.size(0);
-  auto y = torch::empty({m, n}, xc.options().dtype(out_dtype));
-  if (m == 0 || n == 0) return y;
-  if (xc.scalar_type() == at::kFloat) {
-    linear_impl<float, float>(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), m, k, n);
-  } else if (xc.scalar_type() == at::kBFloat16) {
-    const auto* xp = xc.data_ptr<c10::BFloat16>();
-    const auto* wp = wc.data_ptr<c10::BFloat16>();
-    if (out_dtype == at::kFloat) {
-      linear_impl<c10::BFloat16, float>(xp, wp, y.data_ptr<float>(), m, k, n);
-    } else {
-      linear_impl<c10::BFloat16, c10::BFloat16>(xp, wp, y.data_ptr<c10::BFloat16>(), m, k, n);
-    }
-  } else {
-    TORCH_CHECK(false, "rill_cpu.linear: float32 or bfloat16 only, got ", xc.scalar_type());
-  }
-  return y;
-}
+template void linear<float, float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
+template void linear<bf16, bf16>(const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+template void linear<bf16, float>(const bf16*, const bf16*, float*, int64_t, int64_t, int64_t);
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(rill_cpu, m) {
-  m.def("linear(Tensor x, Tensor w, ScalarType out_dtype) -> Tensor");
-  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
-}
+}  // namespace rill_cpu

@@ -55,4 +55,10 @@ void rotary_embedding(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, i
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, int num_threads);
 
+// y = x @ w^T for x [m, k], w [n, k], y [m, n] (row-major). Each output's arithmetic is the same whatever m,
+// the tile it falls in or the thread that computes it (linear.cpp), so a row's result does not depend on the
+// batch. Parallel over torch's intra-op threads (at::parallel_for). T is float or bf16; Out is T or float.
+template <typename T, typename Out>
+void linear(const T* x, const T* w, Out* y, int64_t m, int64_t k, int64_t n);
+
 }  // namespace rill_cpu
