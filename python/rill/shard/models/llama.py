@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rill.shard.layers.activation import SiluAndMul
 from rill.shard.layers.attention import PagedAttention
 from rill.shard.layers.embedding import Embedding, LMHead
 from rill.shard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -159,10 +160,10 @@ class LlamaMLP(nn.Module):
             config.hidden_size, {0: size, 1: size}, bias=config.mlp_bias
         )
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(hidden))
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
