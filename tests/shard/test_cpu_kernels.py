@@ -284,7 +284,7 @@ def test_rotary_is_bitwise_the_reference_in_place_on_qkv_views(dtype, attention_
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(50, num_kv_heads, head_dim)
     expected_q, expected_k = rotary(positions, q.clone(), k.clone())
     v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
-    cpu.rotary_embedding(q, k, positions, rotary.inv_freq, attention_factor)
+    cpu.rotary_embedding(q, k, *rotary.cos_sin(positions, dtype))
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
 

@@ -178,20 +178,11 @@ def fused_add_rms_norm(
     return out.view(shape), (None if res2 is None else residual_out.view(shape))
 
 
-def rotary_embedding(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    inv_freq: torch.Tensor,
-    attention_factor: float = 1.0,
-) -> None:
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotates q [num_tokens, num_heads, head_dim] and k [num_tokens, num_kv_heads, head_dim] in place
-    (rotate-half), cos/sin scaled by `attention_factor` (yarn, longrope). cos/sin are computed here by torch
-    exactly as the reference computes them, so the result is bitwise the reference's."""
-    freqs = positions[:, None].float() * inv_freq[None, :]
-    cos = (freqs.cos() * attention_factor).to(q.dtype)
-    sin = (freqs.sin() * attention_factor).to(q.dtype)
-    load().rotary_embedding(q, k, cos, sin)
+    (rotate-half) by cos, sin [num_tokens, head_dim / 2] in q's dtype (the caller's table: the attention
+    factor of yarn/longrope included). Every product and sum rounds as the torch reference's does."""
+    load().rotary_embedding(q, k, cos.contiguous(), sin.contiguous())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

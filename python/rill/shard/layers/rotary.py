@@ -133,8 +133,38 @@ def rope_parameters(
     )
 
 
+TABLE_CHUNK = 1024  # positions per piece of a cos/sin table
+
+
+class CosSinTable:
+    """cos and sin of `position * inv_freq`, times the attention factor, float32 [positions, head_dim / 2],
+    for positions 0, 1, ... as far as any call has asked. It grows in pieces of TABLE_CHUNK positions, each
+    computed once by one call of the same shape, and is never recomputed: a position's values are the same
+    bits whatever batch asks for them, and a forward looks them up instead of computing cos/sin per layer."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_factor: float) -> None:
+        self.inv_freq, self.attention_factor = inv_freq, attention_factor
+        self.cos = torch.empty(0, inv_freq.numel(), device=inv_freq.device)
+        self.sin = torch.empty_like(self.cos)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [len(positions), head_dim / 2] in `dtype`."""
+        num_needed = int(positions.max()) + 1 if positions.numel() else 0
+        while self.cos.shape[0] < num_needed:
+            start = self.cos.shape[0]
+            piece = torch.arange(start, start + TABLE_CHUNK, device=self.inv_freq.device).float()
+            freqs = piece[:, None] * self.inv_freq[None, :]
+            self.cos = torch.cat([self.cos, freqs.cos() * self.attention_factor])
+            self.sin = torch.cat([self.sin, freqs.sin() * self.attention_factor])
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+# One table per distinct (frequencies, attention factor, device), shared by every layer that uses them.
+_TABLES: dict[tuple[bytes, float, str], CosSinTable] = {}
+
+
 class RotaryEmbedding(KernelLayer):
-    """Rotates q and k by their token positions. cos/sin are computed per call: elementwise, so invariant."""
+    """Rotates q and k by their token positions, with cos/sin from a shared `CosSinTable`."""
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None) -> None:
         super().__init__()
@@ -142,6 +172,14 @@ class RotaryEmbedding(KernelLayer):
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not round the frequencies (HF keeps them
         # in float32 too). The model is built under the target device, so no move is needed.
         self.inv_freq = inv_freq.to(torch.get_default_device())
+        self._table: CosSinTable | None = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [tokens, head_dim / 2] in `dtype`, attention factor included."""
+        if self._table is None:
+            key = (self.inv_freq.cpu().numpy().tobytes(), self.attention_factor, str(self.inv_freq.device))
+            self._table = _TABLES.setdefault(key, CosSinTable(self.inv_freq, self.attention_factor))
+        return self._table.lookup(positions, dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -149,7 +187,7 @@ class RotaryEmbedding(KernelLayer):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]. With a native
         backend, q and k are rotated in place and returned."""
         if self.backend is Backend.CPU:
-            cpu_kernels.rotary_embedding(q, k, positions, self.inv_freq, self.attention_factor)
+            cpu_kernels.rotary_embedding(q, k, *self.cos_sin(positions, q.dtype))
             return q, k
         if self.backend is Backend.CUDA:
             kernels.rotary_embedding(q, k, positions, self.inv_freq)
@@ -157,10 +195,9 @@ class RotaryEmbedding(KernelLayer):
                 q.mul_(self.attention_factor)
                 k.mul_(self.attention_factor)
             return q, k
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.attention_factor).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_factor).to(q.dtype)[:, None, :]
+        cos, sin = self.cos_sin(positions, q.dtype)
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :]
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
