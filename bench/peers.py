@@ -8,12 +8,13 @@ llama.cpp's tree; cmake, about 10 minutes on 2 cores, logged to a file; cached u
 converter (cached beside it), then starts llama.cpp (`-np` = the clients, continuous batching, KV cache in the
 same dtype, the same threads) and Rill, and sends both the same seeded workload through the OpenAI API, back
 to back (`python -m bench compare`), every answer running to its drawn length (`ignore_eos`). Ratios are
-Rill / llama.cpp. A benchmark, not a test: it needs a C++ toolchain and cmake.
+Rill / llama.cpp. A benchmark, not a test: it needs a C++ toolchain, cmake and `pip install sentencepiece`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -97,6 +98,8 @@ def gguf_of(model_dir: Path, dtype: str) -> Path:
     gguf = cache_dir() / "models" / f"{model_dir.name}-{outtype}.gguf"
     if gguf.is_file():
         return gguf
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise RuntimeError("llama.cpp's converter imports sentencepiece: `pip install sentencepiece`")
     source = llama_source()
     gguf.parent.mkdir(parents=True, exist_ok=True)
     # The converter imports the gguf-py library of its own tree, which may be newer than PyPI's `gguf`.
