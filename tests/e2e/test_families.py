@@ -91,6 +91,11 @@ def test_tiny_family_greedy_matches_transformers(default_model: Path, tmp_path: 
     )
     try:
         assert generate_ids(server.url, PROMPT, 24) == expected
+        info = server.info()
+        windows = [WINDOW if kind == "sliding_attention" else 0 for kind in overrides.get("layer_types", [])]
+        assert info["model_type"] == model_type and info["model_dtype"] == "float32"
+        assert info["attention"]["sliding_windows"] == (windows or [0, 0])
+        assert info["attention"]["num_sliding_window_layers"] == sum(1 for window in windows if window)
     finally:
         stop_server(server)
 
@@ -127,6 +132,8 @@ def test_gemma3_270m_gguf_matches_transformers(opted_in: None, gemma3_gguf: Path
     server = start_server(gemma3_gguf, tmp_path, "--max-batch-tokens", "256", timeout_s=900)
     try:
         info = server.info()
+        assert info["model_architecture"] == "Gemma3ForCausalLM"
+        assert info["attention"]["sliding_windows"] == [0 if (i + 1) % 6 == 0 else 512 for i in range(18)]
         for (prompt, max_new_tokens), tokens in zip(cases, expected, strict=True):
             assert generate_ids(server.url, prompt, max_new_tokens) == tokens, (prompt[:40], info)
     finally:

@@ -121,6 +121,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             eos_token_ids=runner.eos_token_ids,
             max_position_embeddings=runner.max_position_embeddings,
             world_size=runner.config.world_size,
+            architecture=type(runner.model).__name__,
+            sliding_windows=list(runner.model_config.layer_windows),
         )
 
     async def Health(

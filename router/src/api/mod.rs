@@ -169,6 +169,10 @@ pub struct Info {
     /// The name `/v1/models` lists and OpenAI requests must name.
     pub served_model_name: String,
     pub model_type: String,
+    /// The model class the shard runs for `model_type` (for example `Gemma3ForCausalLM`).
+    pub model_architecture: String,
+    /// Which layers attend through a sliding window.
+    pub attention: AttentionInfo,
     pub model_dtype: String,
     pub model_device_type: String,
     pub num_shard: u32,
@@ -181,6 +185,27 @@ pub struct Info {
     pub kv: KvInfo,
     pub memory: MemoryInfo,
     pub version: &'static str,
+}
+
+/// The model's attention layout, as the shard reports it in Info.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct AttentionInfo {
+    /// Decoder layers.
+    pub num_layers: u32,
+    /// Layers that attend through a sliding window.
+    pub num_sliding_window_layers: u32,
+    /// Per layer, in layer order: its sliding window in tokens; 0 = it attends to the whole context.
+    pub sliding_windows: Vec<u32>,
+}
+
+impl AttentionInfo {
+    pub fn from_windows(sliding_windows: &[u32]) -> Self {
+        Self {
+            num_layers: sliding_windows.len() as u32,
+            num_sliding_window_layers: sliding_windows.iter().filter(|window| **window > 0).count() as u32,
+            sliding_windows: sliding_windows.to_vec(),
+        }
+    }
 }
 
 /// The pools' sizes per shard as the shards chose them at warmup, and why.

@@ -10,7 +10,8 @@ use utoipa::OpenApi;
 
 use super::{ApiError, AppState};
 use crate::api::{
-    DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, TokenSpan, TokenizeRequest, TokenizeResponse,
+    AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, TokenSpan, TokenizeRequest,
+    TokenizeResponse,
 };
 
 /// Liveness: 200 while the router runs.
@@ -74,6 +75,8 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
         model_id: state.model_id.clone(),
         served_model_name: state.served_model_name.clone(),
         model_type: state.shard_info.model_type.clone(),
+        model_architecture: state.shard_info.architecture.clone(),
+        attention: AttentionInfo::from_windows(&state.shard_info.sliding_windows),
         model_dtype: state.shard_info.dtype.clone(),
         model_device_type: state.shard_info.device.clone(),
         num_shard: state.shard_info.world_size,

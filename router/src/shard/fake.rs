@@ -150,6 +150,8 @@ impl ShardClient for FakeShard {
             eos_token_ids: vec![FAKE_EOS],
             max_position_embeddings: 1024,
             world_size: 1,
+            architecture: "FakeForCausalLM".into(),
+            sliding_windows: vec![0, 0],
         };
         async move { Ok(info) }.boxed()
     }
