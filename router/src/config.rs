@@ -90,6 +90,15 @@ pub struct Args {
     /// On SIGTERM: refuse new requests (503) and let requests in flight finish for up to this many seconds.
     #[arg(long, env = "RILL_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Seconds a client has to send a whole request head once the router waits for one (after it connects,
+    /// and after each answer on a kept-alive connection), else the connection is closed: bounds clients
+    /// that send headers slowly, and is the idle timeout of silent and kept-alive connections; 0 = none.
+    #[arg(long, env = "RILL_HEADER_READ_TIMEOUT", default_value_t = 10)]
+    pub header_read_timeout: u64,
+    /// Most HTTP connections open at once; one beyond it is closed as soon as it is accepted, so a flood
+    /// of idle connections cannot use up file descriptors or memory.
+    #[arg(long, env = "RILL_MAX_CONNECTIONS", default_value_t = 8192)]
+    pub max_connections: usize,
     /// Require `Authorization: Bearer <key>` on the generation and tokenization routes (health, readiness
     /// and metrics stay open). Read from the environment so the key never shows in a process list.
     #[arg(long, env = "RILL_API_KEY", hide_env_values = true)]
@@ -202,6 +211,15 @@ pub struct BatchConfig {
     pub kv_admission: KvAdmission,
 }
 
+/// Limits on the HTTP connections themselves (`http::serve`).
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionConfig {
+    /// Time to send a whole request head once the router waits for one; None = no limit.
+    pub header_read_timeout: Option<Duration>,
+    /// Connections open at once; more are closed on accept.
+    pub max_connections: usize,
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub model_id: PathBuf,
@@ -210,6 +228,7 @@ pub struct Config {
     pub shard_sockets: Vec<PathBuf>,
     pub shard_connect_timeout_s: u64,
     pub shutdown_timeout: Duration,
+    pub connections: ConnectionConfig,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     /// Origins allowed by CORS (`--cors-allow-origin`); `*` means any; empty means CORS off.
@@ -232,6 +251,7 @@ impl Config {
         );
         anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
+        anyhow::ensure!(args.max_connections > 0, "--max-connections must be positive");
         anyhow::ensure!(
             args.swap_space.is_none_or(|gib| gib >= 0.0 && gib.is_finite()),
             "--swap-space must be a non-negative number of GiB, got {:?}",
@@ -257,6 +277,11 @@ impl Config {
             shard_sockets: args.shard_sockets,
             shard_connect_timeout_s: args.shard_connect_timeout,
             shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
+            connections: ConnectionConfig {
+                header_read_timeout: (args.header_read_timeout > 0)
+                    .then(|| Duration::from_secs(args.header_read_timeout)),
+                max_connections: args.max_connections,
+            },
             api_key: args.api_key.filter(|key| !key.is_empty()),
             max_body_bytes: args.max_body_bytes,
             cors_allow_origins: args.cors_allow_origins,

@@ -155,9 +155,7 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", config.addr))?;
     tracing::info!(addr = %config.addr, "serving HTTP");
     let drained = drain_on_signal(state.clone(), config.shutdown_timeout);
-    axum::serve(listener, http::app(state))
-        .with_graceful_shutdown(drained)
-        .await?;
+    http::serve::serve(listener, http::app(state), config.connections, drained).await;
     tracing::info!("stopped");
     Ok(())
 }

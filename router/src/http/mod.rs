@@ -9,6 +9,7 @@ mod error;
 mod middleware;
 mod native;
 mod openai;
+pub mod serve;
 mod service;
 #[cfg(test)]
 mod tests;
