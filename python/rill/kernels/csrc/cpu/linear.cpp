@@ -4,8 +4,8 @@
 // Every output y[r, n] is computed the same way whatever the row count, the tile it falls in or the thread
 // that runs it: 16 float32 partial sums, lane l accumulating k = l, l + 16, l + 32, ... in ascending order with
 // fused multiply-adds (bfloat16: `vdpbf16ps` pairs k, k + 1 into lane l of each 32-element chunk), then one
-// fixed reduction of the 16 lanes. Tiles only decide which outputs share loads (up to 4 rows x 4 weight rows,
-// so each loaded vector feeds 4 FMAs); they never change an output's arithmetic. The K tail (K not a multiple
+// fixed reduction of the 16 lanes. Tiles only decide which outputs share loads (up to 6 rows x 4 weight rows,
+// so each loaded vector feeds 4 to 6 FMAs); they never change an output's arithmetic. The K tail (K not a multiple
 // of the chunk) is read with masked loads that fill zeros, so it adds exact zeros.
 //
 // x: [M, K] and w: [N, K], row-major; y: [M, N]. The torch binding (binding.cpp) checks the tensors.
@@ -26,7 +26,7 @@
 namespace rill_cpu {
 namespace {
 
-constexpr int kRowTile = 4;     // x rows sharing each weight load
+constexpr int kRowTile = 6;     // x rows sharing each weight load
 constexpr int kWeightTile = 4;  // weight rows sharing each x load
 
 #if defined(__AVX512F__)
@@ -129,13 +129,15 @@ inline void run_tile(const T* x, const T* w, Out* y, int64_t k, int64_t n, int64
     for (int j = 0; j < W; ++j) y[(r0 + i) * n + n0 + j] = from_float<Out>(out[i][j]);
 }
 
-// Rows [r_begin, r_end) against weight rows [n0, n0 + W); r_begin is a multiple of kRowTile.
+// Rows [r_begin, r_end) against weight rows [n0, n0 + W).
 template <typename T, typename Out, int W>
 inline void run_rows(const T* x, const T* w, Out* y, int64_t r_begin, int64_t r_end, int64_t k, int64_t n,
                      int64_t n0) {
   int64_t r = r_begin;
   for (; r + kRowTile <= r_end; r += kRowTile) run_tile<T, Out, kRowTile, W>(x, w, y, k, n, r, n0);
   switch (r_end - r) {
+    case 5: run_tile<T, Out, 5, W>(x, w, y, k, n, r, n0); break;
+    case 4: run_tile<T, Out, 4, W>(x, w, y, k, n, r, n0); break;
     case 3: run_tile<T, Out, 3, W>(x, w, y, k, n, r, n0); break;
     case 2: run_tile<T, Out, 2, W>(x, w, y, k, n, r, n0); break;
     case 1: run_tile<T, Out, 1, W>(x, w, y, k, n, r, n0); break;
