@@ -48,6 +48,10 @@ SHARD_START_TIMEOUT_S = 600.0  # model loading on a busy CPU, or a first CUDA in
 ROUTER_START_TIMEOUT_S = 600.0  # includes the shards' warmup forward
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.1
+# A shard alive but hung (stopped, deadlocked) answers no Health call: after this many missed in a row, one
+# every interval, the launcher kills it, and supervision treats it as a dead shard.
+SHARD_HEALTH_INTERVAL_S = 2.0
+SHARD_MISSED_HEALTH_LIMIT = 5
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -410,11 +414,20 @@ class Supervisor:
                 raise TimeoutError(f"{what} was not ready after {timeout_s:.0f} s")
             time.sleep(POLL_INTERVAL_S)
 
-    def supervise(self) -> None:
-        """Blocks until a child exits (raises `ChildExited`) or a signal arrives (`ShutdownRequested`)."""
+    def supervise(self, watch: Callable[[], None] = lambda: None) -> None:
+        """Blocks until a child exits (raises `ChildExited`) or a signal arrives (`ShutdownRequested`);
+        calls `watch` every SHARD_HEALTH_INTERVAL_S meanwhile."""
+        next_watch_at = time.monotonic() + SHARD_HEALTH_INTERVAL_S
         while True:
             self.check()
+            if time.monotonic() >= next_watch_at:
+                watch()
+                next_watch_at = time.monotonic() + SHARD_HEALTH_INTERVAL_S
             self.stop_requested.wait(POLL_INTERVAL_S)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL to a child's process group (a child alive but hung); `check` then reports its exit."""
+        _signal_group(self.children[name], signal.SIGKILL)
 
     def stop_group(self, names: Sequence[str]) -> None:
         """Stops these children (SIGTERM, then SIGKILL after the grace period) and forgets them."""
@@ -529,9 +542,24 @@ def serve(config: LaunchConfig, socket_dir: Path, router: RouterLaunch, supervis
     is_ready = functools.partial(router_is_healthy, router.base_url)
     supervisor.wait_until(is_ready, "router", ROUTER_START_TIMEOUT_S)
     logger.info("Rill is serving %s at %s", config.model_id, router.base_url)
+    missed_health_checks = [0] * config.num_shard
+
+    def kill_hung_shards() -> None:
+        for rank, socket_path in enumerate(socket_paths):
+            is_healthy = shard_is_healthy(socket_path)
+            missed_health_checks[rank] = 0 if is_healthy else missed_health_checks[rank] + 1
+            if missed_health_checks[rank] >= SHARD_MISSED_HEALTH_LIMIT:
+                logger.error(
+                    "shard-%d missed %d health checks in a row: hung; killing it",
+                    rank,
+                    SHARD_MISSED_HEALTH_LIMIT,
+                )
+                supervisor.kill(f"shard-{rank}")
+                missed_health_checks[rank] = 0
+
     while True:
         try:
-            supervisor.supervise()
+            supervisor.supervise(kill_hung_shards)
         except ChildExited as error:
             if not (config.restart_shards and error.name.startswith("shard-")):
                 raise

@@ -99,6 +99,11 @@ pub struct Args {
     /// of idle connections cannot use up file descriptors or memory.
     #[arg(long, env = "RILL_MAX_CONNECTIONS", default_value_t = 8192)]
     pub max_connections: usize,
+    /// Seconds a forward call to the shards may take before the shards count as hung: the step's requests
+    /// fail with an error and `/ready` turns 503. Unset: 20 times the slowest forward measured so far (the
+    /// warmup's largest batch included), at least 30 s.
+    #[arg(long, env = "RILL_FORWARD_TIMEOUT")]
+    pub forward_timeout: Option<f64>,
     /// Require `Authorization: Bearer <key>` on the generation and tokenization routes (health, readiness
     /// and metrics stay open). Read from the environment so the key never shows in a process list.
     #[arg(long, env = "RILL_API_KEY", hide_env_values = true)]
@@ -229,6 +234,8 @@ pub struct Config {
     pub shard_connect_timeout_s: u64,
     pub shutdown_timeout: Duration,
     pub connections: ConnectionConfig,
+    /// `--forward-timeout`; None = derived from the measured step time.
+    pub forward_timeout: Option<Duration>,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     /// Origins allowed by CORS (`--cors-allow-origin`); `*` means any; empty means CORS off.
@@ -252,6 +259,11 @@ impl Config {
         anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
         anyhow::ensure!(args.max_connections > 0, "--max-connections must be positive");
+        anyhow::ensure!(
+            args.forward_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
+            "--forward-timeout must be a positive number of seconds, got {:?}",
+            args.forward_timeout
+        );
         anyhow::ensure!(
             args.swap_space.is_none_or(|gib| gib >= 0.0 && gib.is_finite()),
             "--swap-space must be a non-negative number of GiB, got {:?}",
@@ -282,6 +294,7 @@ impl Config {
                     .then(|| Duration::from_secs(args.header_read_timeout)),
                 max_connections: args.max_connections,
             },
+            forward_timeout: args.forward_timeout.map(Duration::from_secs_f64),
             api_key: args.api_key.filter(|key| !key.is_empty()),
             max_body_bytes: args.max_body_bytes,
             cors_allow_origins: args.cors_allow_origins,

@@ -48,7 +48,8 @@ async fn main() -> anyhow::Result<()> {
         &config.shard_sockets,
         Duration::from_secs(config.shard_connect_timeout_s),
     )
-    .await?;
+    .await?
+    .with_forward_deadline(config.forward_timeout);
     tracing::info!(ranks = shards.num_ranks(), "connected to the shards");
     let shards: Arc<dyn ShardClient> = Arc::new(shards);
     let shard_info = shards.info().await.context("shard Info failed")?;

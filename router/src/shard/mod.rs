@@ -21,6 +21,8 @@ pub enum ShardError {
     Connect { path: String, message: String },
     #[error("shard rank {rank} failed: {message}")]
     Rpc { rank: usize, message: String },
+    #[error("shard call {call} missed its {seconds:.1} s deadline: a shard is hung or stopped")]
+    Timeout { call: &'static str, seconds: f64 },
 }
 
 /// What the engine needs from the shards. Every call goes to every rank; the answer is rank 0's.
