@@ -18,7 +18,7 @@ use rill_router::{
     api::MemoryInfo,
     chat_template,
     config::{Args, Config, Scheduling},
-    engine::{preemption_config, EngineConfig, EngineCore, EngineHandle},
+    engine::{self, preemption_config, EngineConfig, EngineCore, EngineHandle, EngineTask},
     http,
     kv::KvPool,
     metrics,
@@ -115,7 +115,7 @@ async fn main() -> anyhow::Result<()> {
         inbox_rx,
         metrics.clone(),
     );
-    tokio::spawn(core.run());
+    let engine_task = engine::spawn(core);
 
     // A single sequence may use the whole pool except the admission watermark.
     let max_kv_tokens = (num_usable_blocks - watermark_blocks) * block_size;
@@ -124,7 +124,7 @@ async fn main() -> anyhow::Result<()> {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 422");
     }
     let state = http::AppState {
-        engine: EngineHandle::new(inbox_tx, metrics),
+        engine: EngineHandle::new(inbox_tx, shards, metrics),
         validator: Validator::new(tokenizer, config.limits.clone(), shard_info.vocab_size, max_kv_tokens),
         admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
         waiting: Arc::new(Semaphore::new(config.limits.max_waiting_requests as usize)),
@@ -147,7 +147,6 @@ async fn main() -> anyhow::Result<()> {
             swap_pool_bytes: u64::from(warmup.num_host_blocks) * warmup.bytes_per_block,
             swap_pool_reason: warmup.swap_pool_reason.clone(),
         },
-        shards,
         limits: config.limits.clone(),
         batch: config.batch.clone(),
     };
@@ -156,9 +155,22 @@ async fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", config.addr))?;
     tracing::info!(addr = %config.addr, "serving HTTP");
     let drained = drain_on_signal(state.clone(), config.shutdown_timeout);
+    let drained = exit_if_engine_stops(engine_task, drained);
     http::serve::serve(listener, http::app(state), config.connections, drained).await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Resolves when `drained` does. If the engine task ends first, every request would fail from then on:
+/// logs why and exits with status 1, so that the launcher (or Kubernetes) restarts the router.
+async fn exit_if_engine_stops(engine: EngineTask, drained: impl std::future::Future<Output = ()>) {
+    tokio::select! {
+        () = drained => {}
+        reason = engine.stopped() => {
+            tracing::error!(%reason, "the engine stopped; exiting");
+            std::process::exit(1);
+        }
+    }
 }
 
 /// Graceful shutdown: on SIGTERM or Ctrl-C, new requests get 503 while those in flight finish, for up

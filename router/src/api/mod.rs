@@ -101,17 +101,8 @@ pub struct TopToken {
     pub special: bool,
 }
 
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// `max_new_tokens` reached.
-    Length,
-    /// The model produced an end-of-sequence token (or one of the request's `stop_token_ids`).
-    EosToken,
-    /// A stop sequence matched.
-    StopSequence,
-}
+/// Why generation ended: the engine's own reason, shown as is.
+pub use crate::engine::FinishReason;
 
 /// Details of a finished generation (`POST /generate` with `details`).
 #[derive(Debug, Clone, Serialize, ToSchema)]

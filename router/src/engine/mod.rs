@@ -14,28 +14,33 @@ mod outputs;
 mod plan;
 mod release;
 mod request;
+mod watch;
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
     Arc,
 };
 
+use serde::Serialize;
 use thiserror::Error;
 use tokio::sync::mpsc;
+use utoipa::ToSchema;
 
 pub use self::event_loop::{EngineConfig, EngineCore};
 pub use self::lifecycle::preemption_config;
-pub use crate::scheduler::PreemptionConfig;
-use crate::{api::FinishReason, metrics::Metrics, validation::ValidRequest};
+pub use self::watch::{spawn, EngineTask};
+use crate::{metrics::Metrics, scheduler::RequestId, shard::ShardClient, validation::ValidRequest};
 
-/// A request's id, unique for the router's lifetime; it is also the sequence id the shards see.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct RequestId(pub u64);
-
-impl std::fmt::Display for RequestId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)
-    }
+/// Why generation ended (the API shows it as is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// `max_new_tokens` reached.
+    Length,
+    /// The model produced an end-of-sequence token (or one of the request's `stop_token_ids`).
+    EosToken,
+    /// A stop sequence matched.
+    StopSequence,
 }
 
 #[derive(Debug, Clone, Error)]
@@ -46,6 +51,8 @@ pub enum EngineError {
     Detokenize(String),
     #[error("the engine is shutting down")]
     Closed,
+    #[error("the engine stopped")]
+    Stopped,
     #[error("the request waited {0} s in the queue, more than --max-queue-time")]
     QueueTimeout(u64),
 }
@@ -100,15 +107,38 @@ pub struct NewRequest {
 pub struct EngineHandle {
     inbox: mpsc::UnboundedSender<NewRequest>,
     next_id: Arc<AtomicU64>,
+    /// For health checks only; the engine task alone drives the shards.
+    shards: Arc<dyn ShardClient>,
     pub metrics: Arc<Metrics>,
 }
 
 impl EngineHandle {
-    pub fn new(inbox: mpsc::UnboundedSender<NewRequest>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(inbox: mpsc::UnboundedSender<NewRequest>, shards: Arc<dyn ShardClient>, metrics: Arc<Metrics>) -> Self {
         Self {
             inbox,
             next_id: Arc::new(AtomicU64::new(1)),
+            shards,
             metrics,
+        }
+    }
+
+    /// Whether the engine task still runs (it owns the inbox's receiving end).
+    pub fn is_running(&self) -> bool {
+        !self.inbox.is_closed()
+    }
+
+    /// Whether the engine can serve: its task runs and every shard answers a health check within 2 s.
+    /// The error names the reason.
+    pub async fn health(&self) -> Result<(), EngineError> {
+        if !self.is_running() {
+            return Err(EngineError::Stopped);
+        }
+        match tokio::time::timeout(std::time::Duration::from_secs(2), self.shards.health()).await {
+            Err(_) => Err(EngineError::Shard(
+                "the shards did not answer a health check within 2 s".into(),
+            )),
+            Ok(Err(e)) => Err(EngineError::Shard(e.to_string())),
+            Ok(Ok(())) => Ok(()),
         }
     }
 

@@ -5,9 +5,8 @@ use std::{collections::HashSet, time::Instant};
 
 use tokenizers::Tokenizer;
 
-use super::{EndEvent, EngineError, EventSender, NewRequest, RequestId, TokenEvent};
+use super::{EndEvent, EngineError, EventSender, FinishReason, NewRequest, RequestId, TokenEvent};
 use crate::{
-    api::FinishReason,
     scheduler::SeqView,
     shard::pb,
     telemetry,

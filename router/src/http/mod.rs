@@ -34,7 +34,7 @@ use crate::{
     config::{BatchConfig, LimitsConfig},
     engine::{EndEvent, EngineError, EngineHandle, EventReceiver, TokenEvent},
     metrics::Outcome,
-    shard::{pb, ShardClient},
+    shard::pb,
     validation::{GenerateInput, ValidRequest, Validator},
 };
 
@@ -66,7 +66,6 @@ pub struct AppState {
     pub shard_info: pb::InfoResponse,
     /// The pools' sizes and why, from the shards' Warmup answer (shown in /info).
     pub memory: MemoryInfo,
-    pub shards: Arc<dyn ShardClient>,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
 }

@@ -13,34 +13,40 @@ use crate::api::{
     AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, TokenSpan, TokenizeRequest,
     TokenizeResponse,
 };
+use crate::engine::EngineError;
 
-/// Liveness: 200 while the router runs.
-#[utoipa::path(get, path = "/health", tag = "service", responses((status = 200)))]
-pub async fn health() -> Response {
-    StatusCode::OK.into_response()
+/// Liveness: 200 while the router and its engine task run; 503 once the engine task has died (the
+/// router then exits, for its supervisor to restart it).
+#[utoipa::path(get, path = "/health", tag = "service", responses((status = 200), (status = 503)))]
+pub async fn health(State(state): State<AppState>) -> Response {
+    if state.engine.is_running() {
+        StatusCode::OK.into_response()
+    } else {
+        not_ready(EngineError::Stopped.to_string())
+    }
+}
+
+/// 503 with a JSON body naming the reason.
+fn not_ready(reason: String) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(serde_json::json!({"status": "not_ready", "reason": reason})),
+    )
+        .into_response()
 }
 
 /// How long the engine may go without a successful forward pass while it has work, and still be ready.
 const MAX_STALL_MS: i64 = 60_000;
 
-/// Readiness: the shards answer and, whenever requests wait or run, the engine made forward progress
-/// within the last minute. 503 with the reason otherwise.
+/// Readiness: the engine runs, the shards answer and, whenever requests wait or run, the engine made
+/// forward progress within the last minute. 503 with the reason otherwise.
 #[utoipa::path(get, path = "/ready", tag = "service", responses((status = 200), (status = 503)))]
 pub async fn ready(State(state): State<AppState>) -> Response {
-    let not_ready = |reason: String| {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({"status": "not_ready", "reason": reason})),
-        )
-            .into_response()
-    };
     if state.draining.load(std::sync::atomic::Ordering::SeqCst) {
         return not_ready("shutting down: finishing the requests in flight".into());
     }
-    match tokio::time::timeout(std::time::Duration::from_secs(2), state.shards.health()).await {
-        Err(_) => return not_ready("the shards did not answer a health check within 2 s".into()),
-        Ok(Err(e)) => return not_ready(e.to_string()),
-        Ok(Ok(())) => {}
+    if let Err(e) = state.engine.health().await {
+        return not_ready(e.to_string());
     }
     let metrics = &state.engine.metrics;
     let has_work = metrics.queue_depth.get() + metrics.running_sequences.get() > 0;

@@ -22,10 +22,10 @@ use crate::{
     api::MemoryInfo,
     chat_template::ChatTemplate,
     config::{BatchConfig, LimitsConfig, Scheduling},
-    engine::{EngineConfig, EngineCore, EngineHandle, PreemptionConfig},
+    engine::{EngineConfig, EngineCore, EngineHandle, EngineTask},
     kv::KvPool,
     metrics::{Metrics, Outcome},
-    scheduler::{BatchingMode, KvAdmission, PreemptionCosts, PreemptionMode, SchedulerConfig},
+    scheduler::{BatchingMode, KvAdmission, PreemptionConfig, PreemptionCosts, PreemptionMode, SchedulerConfig},
     shard::{
         fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
         ShardClient,
@@ -53,6 +53,7 @@ pub(super) struct TestServer {
     pub(super) app: Router,
     pub(super) state: AppState,
     shard: FakeShard,
+    engine: EngineTask,
 }
 
 pub(super) async fn server(num_blocks: u32, max_concurrent_requests: u32) -> TestServer {
@@ -133,9 +134,9 @@ async fn server_with(
         inbox_rx,
         metrics.clone(),
     );
-    tokio::spawn(core.run());
+    let engine = crate::engine::spawn(core);
     let state = AppState {
-        engine: EngineHandle::new(inbox_tx, metrics),
+        engine: EngineHandle::new(inbox_tx, shards, metrics),
         validator: Validator::new(
             tokenizer,
             limits.clone(),
@@ -162,7 +163,6 @@ async fn server_with(
         started_at: 0,
         shard_info,
         memory: MemoryInfo::default(),
-        shards,
         limits,
         batch,
     };
@@ -170,6 +170,7 @@ async fn server_with(
         app: app(state.clone()),
         state,
         shard,
+        engine,
     }
 }
 
@@ -559,6 +560,30 @@ async fn ready_reports_the_shards() {
         .expect("valid request");
     let response = server.app.clone().oneshot(request).await.expect("infallible");
     assert_eq!(response.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_dead_engine_fails_health_and_ready_with_the_reason() {
+    let server = server(64, 16).await;
+    server.engine.abort();
+    for _ in 0..200 {
+        if !server.state.engine.is_running() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    for uri in ["/health", "/ready"] {
+        let request = Request::builder().uri(uri).body(Body::empty()).expect("valid request");
+        let response = server.app.clone().oneshot(request).await.expect("infallible");
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE, "{uri}");
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("body");
+        let body: Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(body["reason"], "the engine stopped", "{uri}");
+    }
+    let (status, _, text) = post(&server.app, "/generate", json!({"inputs": "w1"})).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
 }
 
 #[tokio::test]

@@ -15,7 +15,15 @@ pub use budget::ItlBudget;
 pub use preemption::{choose_preemption, Preemption, PreemptionCosts, PreemptionMode};
 pub use step::{PreemptionConfig, Scheduler, LOOKUP_WINDOW};
 
-use crate::engine::RequestId;
+/// A request's id, unique for the router's lifetime; it is also the sequence id the shards see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RequestId(pub u64);
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 /// How batches form.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
