@@ -68,7 +68,7 @@ class LaunchConfig:
     dtype: str
     kv_block_size: int | None  # None: the shard's default
     num_threads: int | None  # None: the shard keeps torch's default
-    attention_backend: str  # auto (cuda kernels on cuda, torch on cpu), cuda or torch
+    attention_backend: str  # auto (the device's native kernels where they can run), cpu, cuda or torch
     otlp_endpoint: str | None  # OpenTelemetry collector for the shards' spans (and the router's)
     api_key: str | None  # handed to the router through its environment, never on a command line
     restart_shards: bool
@@ -145,7 +145,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     flag("dtype", str, None, "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda")
     flag("kv-block-size", int, None, "tokens per paged KV cache block; auto = the shard's default")
     flag("num-threads", int, None, "torch threads per shard; auto = number of CPUs on cpu")
-    flag("attention-backend", str, "auto", "cuda (kernels/) or torch (references); auto = cuda on cuda")
+    flag(
+        "attention-backend",
+        str,
+        "auto",
+        "cpu or cuda (Rill's native kernels) or torch (the references); auto = the device's kernels "
+        "where they can run",
+    )
     flag("otlp-endpoint", str, None, "send the shards' and the router's OpenTelemetry spans here", "off")
     flag(
         "api-key",
@@ -180,10 +186,10 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in ("float32", "bfloat16", "float16"):
         parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    if args.attention_backend not in ("auto", "cuda", "torch"):
-        parser.error(f"--attention-backend must be auto, cuda or torch, got {args.attention_backend!r}")
-    if args.attention_backend == "cuda" and device != "cuda":
-        parser.error("--attention-backend cuda needs --device cuda")
+    if args.attention_backend not in ("auto", "cpu", "cuda", "torch"):
+        parser.error(f"--attention-backend must be auto, cpu, cuda or torch, got {args.attention_backend!r}")
+    if args.attention_backend in ("cpu", "cuda") and device != args.attention_backend:
+        parser.error(f"--attention-backend {args.attention_backend} needs --device {args.attention_backend}")
     if args.log_level.lower() not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, got {args.log_level!r}")
     # Configured here, before the default model's first conversion logs its progress; a no-op when the
