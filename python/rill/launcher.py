@@ -577,6 +577,10 @@ def serve(config: LaunchConfig, socket_dir: Path, router: RouterLaunch, supervis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # The launcher forks its children after its gRPC health checks (and again on --restart-shards), and each
+    # child execs at once. grpcio's fork support restarts its poller in the forked child and can abort it
+    # before the exec (grpc/grpc#43055, seen here as a router SIGABRT); the children need none of it.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     config = parse_args(argv)
     supervisor = Supervisor()
 
