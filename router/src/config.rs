@@ -104,6 +104,10 @@ pub struct Args {
     /// warmup's largest batch included), at least 30 s.
     #[arg(long, env = "RILL_FORWARD_TIMEOUT")]
     pub forward_timeout: Option<f64>,
+    /// Seconds a request may take from arrival to its last token, queueing included; one that runs past it
+    /// ends with 504 (non-streaming) or an SSE `error` event, and its KV blocks are freed. Unset: no limit.
+    #[arg(long, env = "RILL_REQUEST_TIMEOUT")]
+    pub request_timeout: Option<f64>,
     /// Require `Authorization: Bearer <key>` on the generation and tokenization routes (health, readiness
     /// and metrics stay open). Read from the environment so the key never shows in a process list.
     #[arg(long, env = "RILL_API_KEY", hide_env_values = true)]
@@ -236,6 +240,8 @@ pub struct Config {
     pub connections: ConnectionConfig,
     /// `--forward-timeout`; None = derived from the measured step time.
     pub forward_timeout: Option<Duration>,
+    /// `--request-timeout`; None = no limit.
+    pub request_timeout: Option<Duration>,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     /// Origins allowed by CORS (`--cors-allow-origin`); `*` means any; empty means CORS off.
@@ -263,6 +269,11 @@ impl Config {
             args.forward_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
             "--forward-timeout must be a positive number of seconds, got {:?}",
             args.forward_timeout
+        );
+        anyhow::ensure!(
+            args.request_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
+            "--request-timeout must be a positive number of seconds, got {:?}",
+            args.request_timeout
         );
         anyhow::ensure!(
             args.swap_space.is_none_or(|gib| gib >= 0.0 && gib.is_finite()),
@@ -295,6 +306,7 @@ impl Config {
                 max_connections: args.max_connections,
             },
             forward_timeout: args.forward_timeout.map(Duration::from_secs_f64),
+            request_timeout: args.request_timeout.map(Duration::from_secs_f64),
             api_key: args.api_key.filter(|key| !key.is_empty()),
             max_body_bytes: args.max_body_bytes,
             cors_allow_origins: args.cors_allow_origins,

@@ -147,6 +147,7 @@ async fn main() -> anyhow::Result<()> {
             swap_pool_bytes: u64::from(warmup.num_host_blocks) * warmup.bytes_per_block,
             swap_pool_reason: warmup.swap_pool_reason.clone(),
         },
+        request_timeout: config.request_timeout,
         limits: config.limits.clone(),
         batch: config.batch.clone(),
     };

@@ -55,6 +55,8 @@ pub enum EngineError {
     Stopped,
     #[error("the request waited {0} s in the queue, more than --max-queue-time")]
     QueueTimeout(u64),
+    #[error("the request ran past its {0} s deadline (--request-timeout)")]
+    Deadline(f64),
 }
 
 /// One generated token and the text it released.

@@ -66,6 +66,7 @@ impl ApiError {
             ApiError::Overloaded(_) | ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::QueueTimeout(_)) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Engine(EngineError::Deadline(_)) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Engine(EngineError::Closed | EngineError::Stopped) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::Shard(_) | EngineError::Detokenize(_)) => StatusCode::INTERNAL_SERVER_ERROR,
         }

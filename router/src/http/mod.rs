@@ -14,9 +14,12 @@ mod service;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{
-    atomic::{AtomicBool, Ordering},
-    Arc,
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
 };
 
 use axum::{
@@ -66,6 +69,8 @@ pub struct AppState {
     pub shard_info: pb::InfoResponse,
     /// The pools' sizes and why, from the shards' Warmup answer (shown in /info).
     pub memory: MemoryInfo,
+    /// `--request-timeout`: how long a request may take from arrival to its last token.
+    pub request_timeout: Option<Duration>,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
 }
@@ -205,11 +210,44 @@ async fn submit(
         state.engine.metrics.count_request(Outcome::Overloaded);
         ApiError::QueueFull(state.limits.max_waiting_requests)
     })?;
-    let receivers = state
+    let mut receivers = state
         .engine
         .submit_n(valid.clone(), n, Some(waiting_permit), tag.id.clone())?;
+    if let Some(limit) = state.request_timeout {
+        receivers = receivers
+            .into_iter()
+            .map(|events| with_deadline(events, limit))
+            .collect();
+    }
     tag.hand_to_engine();
     Ok((valid, receivers))
+}
+
+/// Relays a choice's events until `limit` has passed since now; then ends it with `EngineError::Deadline`
+/// and drops the engine's receiver, which cancels the sequence (its blocks are free within an iteration,
+/// as for a client that hangs up). A client that hangs up first is relayed too: the relay ends.
+fn with_deadline(mut events: EventReceiver, limit: Duration) -> EventReceiver {
+    let (relay_tx, relay_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let expired = tokio::time::sleep(limit);
+        let mut expired = std::pin::pin!(expired);
+        loop {
+            tokio::select! {
+                event = events.recv() => {
+                    let Some(event) = event else { return };
+                    if relay_tx.send(event).is_err() {
+                        return;
+                    }
+                }
+                () = &mut expired => {
+                    let _ = relay_tx.send(Err(EngineError::Deadline(limit.as_secs_f64())));
+                    return;
+                }
+                () = relay_tx.closed() => return,
+            }
+        }
+    });
+    relay_rx
 }
 
 /// A finished choice: every token event, and how it ended.

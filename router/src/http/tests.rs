@@ -163,6 +163,7 @@ async fn server_with(
         started_at: 0,
         shard_info,
         memory: MemoryInfo::default(),
+        request_timeout: None,
         limits,
         batch,
     };

@@ -1,0 +1,69 @@
+"""End to end: --request-timeout. A request that runs past it ends on time with the documented error — 504
+with a JSON body (native and OpenAI APIs), or an SSE `error` event on a stream — and its KV blocks are freed;
+a request that finishes in time is unaffected."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from .conftest import Server, start_server, stop_server
+
+REQUEST_TIMEOUT_S = 0.5
+LONG = {"inputs": "The river said", "parameters": {"max_new_tokens": 500}}  # the tiny model: 512 positions
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(
+        tiny_model, tmp_path_factory.mktemp("deadlines"),
+        "--request-timeout", str(REQUEST_TIMEOUT_S), "--max-input-tokens", "64", "--max-total-tokens", "512",
+        "--max-batch-total-tokens", "16384",
+    )  # fmt: skip
+    yield srv
+    stop_server(srv)
+    assert srv.process.returncode == 0, srv.log_path.read_text()[-3000:]
+
+
+def test_a_long_request_gets_504_on_time(server: Server) -> None:
+    started = time.monotonic()
+    response = requests.post(f"{server.url}/generate", json=LONG, timeout=60)
+    elapsed = time.monotonic() - started
+    assert response.status_code == 504, response.text
+    assert "deadline" in response.json()["error"]
+    assert REQUEST_TIMEOUT_S <= elapsed < REQUEST_TIMEOUT_S + 2, elapsed
+    assert server.wait_idle()["kv"]["used_blocks"] == 0
+
+
+def test_a_long_stream_ends_with_an_error_event_on_time(server: Server) -> None:
+    started = time.monotonic()
+    events = []
+    with requests.post(f"{server.url}/generate_stream", json=LONG, stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(b"data:"):
+                events.append(json.loads(line[5:]))
+    elapsed = time.monotonic() - started
+    assert len(events) > 1 and "token" in events[0], events[:2]
+    assert "deadline" in events[-1]["error"], events[-1]
+    assert REQUEST_TIMEOUT_S <= elapsed < REQUEST_TIMEOUT_S + 2, elapsed
+    assert server.wait_idle()["kv"]["used_blocks"] == 0
+
+
+def test_openai_completions_get_504_with_an_openai_error(server: Server) -> None:
+    body = {"model": server.info()["served_model_name"], "prompt": "The river said", "max_tokens": 500}
+    response = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 504, response.text
+    assert "deadline" in response.json()["error"]["message"]
+    assert server.wait_idle()["kv"]["used_blocks"] == 0
+
+
+def test_a_short_request_is_unaffected(server: Server) -> None:
+    body = {"inputs": "The river said", "parameters": {"max_new_tokens": 4}}
+    response = requests.post(f"{server.url}/generate", json=body, timeout=60)
+    assert response.status_code == 200, response.text
