@@ -163,7 +163,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 /// Resolves when `drained` does. If the engine task ends first, every request would fail from then on:
-/// logs why and exits with status 1, so that the launcher (or Kubernetes) restarts the router.
+/// logs why and exits with status 1; the launcher then exits non-zero too, for its supervisor to restart it.
 async fn exit_if_engine_stops(engine: EngineTask, drained: impl std::future::Future<Output = ()>) {
     tokio::select! {
         () = drained => {}

@@ -1,5 +1,6 @@
-"""End to end: with `--restart-shards`, a killed shard fails the requests in flight, is restarted, and the
-same router serves new requests again; without it the launcher exits non-zero (tests/test_launcher.py)."""
+"""End to end: with `--restart-shards`, a killed shard fails the requests in flight, `/ready` answers 503
+naming the shards while `/health` stays 200, the shard is restarted, and the same router serves new requests
+again; without it the launcher exits non-zero (tests/test_launcher.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def test_a_killed_shard_is_restarted_and_serving_resumes(
         assert not thread.is_alive(), "the request in flight hangs"
         assert outcome["status"] == 500, outcome
         assert "shard" in str(outcome["body"]).lower()
+        # While the shard is down the router is alive but not ready, and says why.
+        ready = requests.get(f"{server.url}/ready", timeout=15)
+        assert ready.status_code == 503, ready.text
+        assert ready.json()["status"] == "not_ready" and "shard" in ready.json()["reason"], ready.text
+        assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
         # The launcher restarts the shard and the router warms it up again.
         deadline = time.monotonic() + 180
         while True:
