@@ -7,7 +7,8 @@ float32 and bfloat16), then the shard's `ModelRunner` in-process (no router, no 
 for decode steps at batch 1/4/16/32/64 and contexts 128/512/2048, and prefills of 128/512/2048-token prompts.
 Each figure is printed next to its floor: weight + KV bytes over the measured bandwidth, or FLOPs over the
 measured GEMM rate, whichever is larger (a roofline). A decode step includes batch preparation and
-sampling, as served.
+sampling, as served. Last, one decode step's matmuls at batch 1-64 three ways: torch's GEMM padded to 16
+rows (the torch reference), unpadded (not batch-invariant) and Rill's CPU linear kernel (batch-invariant).
 """
 
 from __future__ import annotations
@@ -118,6 +119,43 @@ class StepDriver:
         return lambda: self.runner.forward(ForwardRequest(sequences=repeated))
 
 
+LINEAR_BATCH_SIZES = (1, 2, 4, 8, 16, 64)
+
+
+def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
+    """One decode step's matmuls (every Linear and the LM head of the model) at small batch sizes, three ways:
+    torch's GEMM padded to ROW_MULTIPLE rows (the torch reference's batch-invariant form), torch's GEMM
+    unpadded (not batch-invariant), and Rill's CPU linear kernel (batch-invariant at any row count)."""
+    from rill.kernels import cpu as cpu_kernels
+    from rill.shard.layers.backend import Backend
+    from rill.shard.layers.embedding import LMHead
+    from rill.shard.layers.linear import Linear, invariant_matmul
+
+    weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear | LMHead)]
+    ways = {
+        "torch padded": lambda x, w: invariant_matmul(x, w, Backend.TORCH),
+        "torch unpadded": lambda x, w: x @ w.T,
+        "rill kernel": lambda x, w: cpu_kernels.linear(x, w),
+    }
+    rows = []
+    for batch in LINEAR_BATCH_SIZES:
+        inputs = [torch.randn(batch, w.shape[1]).to(w.dtype) for w in weights]
+        row: dict[str, Any] = {"batch": batch}
+        for name, matmul in ways.items():
+
+            def step(
+                matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = matmul,
+                inputs: list[torch.Tensor] = inputs,
+            ) -> None:
+                for x, w in zip(inputs, weights, strict=True):
+                    matmul(x, w)
+
+            row[name] = _median_seconds(step, repeats=repeats)
+        rows.append(row)
+        print(f"{batch:>8} " + " ".join(f"{row[name] * 1e3:>15.1f}" for name in ways), flush=True)
+    return rows
+
+
 def load_runner(model_id: Path, dtype: str, max_context: int, max_batch: int) -> ModelRunner:
     config = ShardConfig(
         model_path=model_id, socket_path=Path(tempfile.gettempdir()) / "unused.sock", dtype=dtype
@@ -174,6 +212,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{prompt_len:>8} {prompt_len / seconds:>9.0f} {achieved / 1e9:>9.0f} {achieved / rate:>8.0%}",
             flush=True,
         )
+    print(f"{'matmuls':>8} {'torch padded ms':>15} {'unpadded ms':>15} {'rill kernel ms':>15}")
+    linear_rows = measure_linears(runner, args.repeats)
     report = dict(
         bandwidth=bandwidth,
         gemm=gemm,
@@ -181,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.num_threads,
         decode=decode_rows,
         prefill=prefill_rows,
+        linears=linear_rows,
     )
     if args.plot:
         plot(report, args.plot)
