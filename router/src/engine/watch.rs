@@ -53,12 +53,15 @@ mod tests {
     async fn a_panic_is_reported_with_its_message() {
         let task = EngineTask {
             task: tokio::spawn(async {
-                let step: Option<u32> = None;
-                step.expect("the plan names a running sequence");
+                let id = 7;
+                panic!("the plan names sequence {id}, which is not running");
             }),
         };
         let reason = task.stopped().await;
-        assert_eq!(reason, "the engine panicked: the plan names a running sequence");
+        assert_eq!(
+            reason,
+            "the engine panicked: the plan names sequence 7, which is not running"
+        );
     }
 
     #[tokio::test]
