@@ -5,6 +5,7 @@ pub mod api;
 pub mod chat_template;
 pub mod config;
 pub mod engine;
+pub mod grammar;
 pub mod http;
 pub mod kv;
 pub mod metrics;

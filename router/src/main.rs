@@ -19,6 +19,7 @@ use rill_router::{
     chat_template,
     config::{Args, Config, Scheduling},
     engine::{self, preemption_config, EngineConfig, EngineCore, EngineHandle, EngineTask},
+    grammar::GrammarCompiler,
     http,
     kv::KvPool,
     metrics,
@@ -117,6 +118,9 @@ async fn main() -> anyhow::Result<()> {
     );
     let engine_task = engine::spawn(core);
 
+    // Constrained decoding: the token trie of the tokenizer, built once.
+    let grammar = GrammarCompiler::new(&tokenizer_path, &shard_info.eos_token_ids, shard_info.vocab_size)
+        .context("cannot build the grammar compiler's token trie")?;
     // A single sequence may use the whole pool except the admission watermark.
     let max_kv_tokens = (num_usable_blocks - watermark_blocks) * block_size;
     let chat_template = chat_template::ChatTemplate::load(&config.model_id)?.map(Arc::new);
@@ -125,7 +129,8 @@ async fn main() -> anyhow::Result<()> {
     }
     let state = http::AppState {
         engine: EngineHandle::new(inbox_tx, shards, metrics),
-        validator: Validator::new(tokenizer, config.limits.clone(), shard_info.vocab_size, max_kv_tokens),
+        validator: Validator::new(tokenizer, config.limits.clone(), shard_info.vocab_size, max_kv_tokens)
+            .with_grammar(grammar),
         admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
         waiting: Arc::new(Semaphore::new(config.limits.max_waiting_requests as usize)),
         draining: Arc::new(AtomicBool::new(false)),

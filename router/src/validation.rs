@@ -8,7 +8,10 @@ use std::{collections::HashMap, sync::Arc};
 use thiserror::Error;
 use tokenizers::Tokenizer;
 
-use crate::config::LimitsConfig;
+use crate::{
+    config::LimitsConfig,
+    grammar::{CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec},
+};
 
 /// Most alternatives per position a request may ask logprobs for.
 pub const MAX_TOP_N_TOKENS: u32 = 20;
@@ -35,6 +38,13 @@ pub enum ValidationError {
     TokenOutOfVocab(u32, &'static str, u32),
     #[error("tokenizer error: {0}")]
     Tokenizer(String),
+    /// A malformed or unsupported grammar (answered with 400).
+    #[error("`{0}` is not a valid grammar: {1}")]
+    InvalidGrammar(&'static str, String),
+    #[error("constrained decoding is not available on this server")]
+    NoGrammarSupport,
+    #[error("grammar compilation failed: {0}")]
+    GrammarCompile(String),
 }
 
 impl ValidationError {
@@ -44,7 +54,8 @@ impl ValidationError {
             ValidationError::EmptyInput(f)
             | ValidationError::MaxNewTokensZero(f)
             | ValidationError::OutOfRange(f, _, _)
-            | ValidationError::TokenOutOfVocab(_, f, _) => Some(f),
+            | ValidationError::TokenOutOfVocab(_, f, _)
+            | ValidationError::InvalidGrammar(f, _) => Some(f),
             ValidationError::TotalTooLong(.., f) | ValidationError::ExceedsKvPool(.., f) => Some(f),
             ValidationError::TooManyStops(..) | ValidationError::EmptyStop => Some("stop"),
             _ => None,
@@ -95,6 +106,8 @@ pub struct GenerateInput {
     pub priority: i32,
     /// Prefix-cache namespace: requests with different salts never share cached blocks.
     pub cache_salt: Option<String>,
+    /// The language the output must belong to, and the API field that gave it (for errors).
+    pub grammar: Option<(GrammarSpec, &'static str)>,
 }
 
 impl GenerateInput {
@@ -125,6 +138,7 @@ impl GenerateInput {
             truncate: None,
             priority: 0,
             cache_salt: None,
+            grammar: None,
         }
     }
 }
@@ -170,6 +184,8 @@ pub struct ValidRequest {
     pub priority: i32,
     /// Prefix-cache namespace (a hash of the request's `cache_salt`; 0 = the shared namespace).
     pub cache_salt: u64,
+    /// The grammar the output must follow (constrained decoding), compiled.
+    pub grammar: Option<CompiledGrammar>,
 }
 
 /// Checks requests against the limits, the vocabulary and the KV pool size; tokenizes off the runtime.
@@ -180,6 +196,8 @@ pub struct Validator {
     vocab_size: u32,
     /// Tokens a single sequence can hold in the KV pool.
     max_kv_tokens: usize,
+    /// Compiles request grammars; `None` where constrained decoding is unavailable.
+    grammar: Option<GrammarCompiler>,
 }
 
 fn check(
@@ -202,7 +220,14 @@ impl Validator {
             limits,
             vocab_size,
             max_kv_tokens,
+            grammar: None,
         }
+    }
+
+    /// Enables constrained decoding with this compiler.
+    pub fn with_grammar(mut self, compiler: GrammarCompiler) -> Self {
+        self.grammar = Some(compiler);
+        self
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -237,7 +262,17 @@ impl Validator {
                 .to_vec(),
             Prompt::Tokens(ids) => ids.clone(),
         };
-        self.validate_tokens(prompt_ids, input)
+        let grammar = input.grammar.clone();
+        let mut valid = self.validate_tokens(prompt_ids, input)?;
+        if let Some((spec, field)) = grammar {
+            let compiler = self.grammar.as_ref().ok_or(ValidationError::NoGrammarSupport)?;
+            let compiled = compiler.compile(&spec).await.map_err(|e| match e {
+                GrammarError::Invalid(message) => ValidationError::InvalidGrammar(field, message),
+                GrammarError::Internal(message) => ValidationError::GrammarCompile(message),
+            })?;
+            valid.grammar = Some(compiled);
+        }
+        Ok(valid)
     }
 
     fn validate_tokens(&self, mut prompt_ids: Vec<u32>, input: GenerateInput) -> Result<ValidRequest, ValidationError> {
@@ -376,6 +411,7 @@ impl Validator {
             top_n_tokens: input.top_n_tokens,
             priority: input.priority,
             cache_salt: input.cache_salt.as_deref().map_or(0, salt_namespace),
+            grammar: None,
         })
     }
 }

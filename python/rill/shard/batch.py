@@ -26,6 +26,8 @@ class SequenceChunk:
     params: SamplingParams | None = None
     # Sent with params only: the token ids at positions [0, num_computed_tokens), for penalties.
     cached_token_ids: list[int] = field(default_factory=list)
+    # With sample, under a grammar: the tokens allowed next, as 32-bit words (empty: all allowed).
+    allowed_token_bitmask: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -343,12 +343,14 @@ class ModelRunner:
         batch, logits, model_seconds = self.forward_logits(request, check_lengths)
         if not batch.sample_ids:
             return ForwardResult([], model_seconds)
+        masks = {seq.id: seq.allowed_token_bitmask for seq in request.sequences if seq.allowed_token_bitmask}
         sampling = SamplingBatch.build(
             [self.params_by_id[seq_id] for seq_id in batch.sample_ids],
             batch.sample_positions,
             self.device,
             histories=[self.history.get(seq_id) for seq_id in batch.sample_ids],
             vocab_size=self.vocab_size,
+            allowed_token_bitmasks=[masks.get(seq_id, ()) for seq_id in batch.sample_ids],
         )
         out = sample(logits, sampling)
         generations = [

@@ -4,6 +4,7 @@ Every step is a tensor op over all sampled rows at once; a row whose parameter i
 0, penalty 1, min_p 0, ...), so a row's result never depends on the other rows of the batch.
 
 Processing order (`sample`), each step on the output of the one before:
+  0. grammar (constrained decoding): tokens outside the row's allowed-token bitmask get -inf;
   1. logit_bias added;
   2. repetition_penalty (HF) over every earlier token of the sequence, prompt and generated: a seen token's
      positive logit is divided by it, a negative one multiplied;
@@ -151,6 +152,8 @@ class SamplingBatch:
     stop_rows: torch.Tensor  # int64 [num_stops]: stop_token_ids of rows that still need min_new_tokens
     stop_token_ids: torch.Tensor  # int64 [num_stops]
     counts: TokenCounts | None  # None when no row has a penalty
+    grammar_rows: torch.Tensor  # int64 [num_constrained]: rows under a grammar
+    grammar_words: torch.Tensor  # int64 [num_constrained, num_words]: their allowed-token bitmasks
     top_n_logprobs: list[int]  # per row
     has_min_p: bool
     has_typical_p: bool
@@ -163,9 +166,11 @@ class SamplingBatch:
         device: torch.device,
         histories: Sequence[Sequence[int]] | None = None,
         vocab_size: int | None = None,
+        allowed_token_bitmasks: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatch:
         """positions[i]: position of the token row i generates. histories[i]: row i's tokens at positions
-        [0, positions[i]); needed (with vocab_size) only when a row has a penalty, read only for such rows."""
+        [0, positions[i]); needed (with vocab_size) only when a row has a penalty, read only for such rows.
+        allowed_token_bitmasks[i]: row i's grammar mask as 32-bit words (empty: no grammar)."""
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -186,6 +191,8 @@ class SamplingBatch:
             assert histories is not None and vocab_size is not None, "penalties need histories and vocab_size"
             rows_history = [h if p.needs_history else () for p, h in zip(params, histories, strict=True)]
             counts = TokenCounts.build(rows_history, num_prompt_tokens, vocab_size)
+        masks = [(row, list(m)) for row, m in enumerate(allowed_token_bitmasks or ()) if len(m)]
+        num_words = max((len(m) for _, m in masks), default=0)
         return cls(
             do_sample=tensor([p.do_sample for p in params], torch.bool),
             temperature=tensor([when_sampling(p, p.temperature, 1.0) for p in params], torch.float32),
@@ -207,6 +214,10 @@ class SamplingBatch:
             stop_rows=tensor([row for row, _ in stops], torch.int64),
             stop_token_ids=tensor([t for _, t in stops], torch.int64),
             counts=counts,
+            grammar_rows=tensor([row for row, _ in masks], torch.int64),
+            grammar_words=tensor([m + [0] * (num_words - len(m)) for _, m in masks], torch.int64).reshape(
+                len(masks), num_words
+            ),
             top_n_logprobs=[p.top_n_logprobs for p in params],
             has_min_p=any(p.do_sample and p.min_p > 0 for p in params),
             has_typical_p=any(p.do_sample and 0 < p.typical_p < 1 for p in params),
@@ -239,11 +250,33 @@ def uniform_noise(
     h = _mix32(h ^ (positions & _MASK32))[:, None]
     vocab_index = torch.arange(vocab_size, dtype=torch.int64, device=positions.device)[None, :]
     h = _mix32(_mix32(h ^ vocab_index) ^ 0x5BD1E995)
-    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    # (h >> 8) + 0.5 rounds up to 2^24 in float32 for the top value: clamp so u < 1, or the Gumbel noise
+    # -log(-log(u)) is +inf and a token that processing set to -inf (a grammar mask, top-k) wins as NaN.
+    return (((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)).clamp(max=1.0 - 2.0**-24)
+
+
+def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpacks bitmasks of 32-bit words [rows, num_words] into bool [rows, vocab_size]: token t is allowed
+    when bit t % 32 of word t // 32 is set; tokens past the last word are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int64, device=words.device)
+    bits = ((words[:, :, None] >> shifts) & 1).bool().reshape(words.shape[0], -1)
+    if bits.shape[1] < vocab_size:
+        bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    return bits[:, :vocab_size]
+
+
+def apply_grammar(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Step 0: -inf on every token a constrained row's grammar does not allow; other rows unchanged."""
+    is_allowed = torch.ones_like(logits, dtype=torch.bool)
+    is_allowed[rows] = allowed_tokens(words, logits.shape[-1])
+    return logits.masked_fill(~is_allowed, float("-inf"))
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Steps 1-4 of the module docstring (bias, repetition, frequency/presence, min_new_tokens), every row."""
+    """Steps 0-4 of the module docstring (grammar, bias, repetition, frequency/presence, min_new_tokens),
+    every row."""
+    if batch.grammar_rows.numel():
+        logits = apply_grammar(logits, batch.grammar_rows, batch.grammar_words)
     # Each step below copies [rows, vocab]: skipped when it would change nothing (the common greedy batch).
     if batch.bias_rows.numel():
         bias_values = batch.bias_values.to(logits.dtype)

@@ -69,6 +69,7 @@ def forward_request_from_pb(request: shard_pb2.ForwardRequest) -> ForwardRequest
                 sample=seq.sample,
                 params=sampling_params_from_pb(seq.params) if seq.HasField("params") else None,
                 cached_token_ids=list(seq.cached_token_ids),
+                allowed_token_bitmask=list(seq.allowed_token_bitmask),
             )
             for seq in request.sequences
         ],

@@ -23,7 +23,7 @@ pub struct GenerateRequest {
 }
 
 /// Generation settings; every field is optional. TGI fields Rill does not implement (`best_of` > 1,
-/// `watermark`, `decoder_input_details`, `grammar`, `adapter_id`) are accepted only at their off value.
+/// `watermark`, `decoder_input_details`, `adapter_id`) are accepted only at their off value.
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateParameters {
@@ -72,7 +72,8 @@ pub struct GenerateParameters {
     /// Not implemented: accepted when false.
     #[serde(default)]
     pub decoder_input_details: bool,
-    /// Not implemented: accepted when null.
+    /// Constrained decoding: `{"type": "json", "value": <JSON Schema>}`, `{"type": "regex", "value": "..."}`
+    /// or `{"type": "json_schema", "value": {"name": ..., "schema": <JSON Schema>}}`.
     #[schema(value_type = Option<Object>)]
     pub grammar: Option<serde_json::Value>,
     /// Not implemented: accepted when null.

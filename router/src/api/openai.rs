@@ -91,7 +91,8 @@ pub struct InertFields {
     pub prompt_cache_key: Option<String>,
 }
 
-/// Sampling fields shared by both endpoints.
+/// Sampling fields shared by both endpoints. (No `flatten` inside: a nested flattened struct would see
+/// every field of the request, and the request's `unknown` would then hold them all.)
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct SamplingFields {
     pub temperature: Option<f32>,
@@ -124,8 +125,6 @@ pub struct SamplingFields {
     pub skip_special_tokens: Option<bool>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    #[serde(flatten)]
-    pub inert: InertFields,
     /// vLLM extension: scheduling priority, lower runs first. Default 0.
     pub priority: Option<i32>,
     /// vLLM extension: prefix-cache isolation; requests with different salts never share cached blocks.
@@ -146,6 +145,10 @@ pub struct CompletionRequest {
     pub echo: bool,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    #[serde(flatten)]
+    pub inert: InertFields,
+    #[serde(flatten)]
+    pub guided: GuidedFields,
     /// Every field not named above: ignored, with a warning in the log and
     /// `rill_ignored_request_fields_total{field}` counted.
     #[serde(flatten)]
@@ -212,16 +215,49 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<serde_json::Value>,
     /// Whether the model may call several tools in one turn. Default true.
     pub parallel_tool_calls: Option<bool>,
-    /// The shape of the answer: `{"type": "text"}` (default), `{"type": "json_object"}`, or
-    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
-    pub response_format: Option<ResponseFormat>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
+    #[serde(flatten)]
+    pub inert: InertFields,
+    #[serde(flatten)]
+    pub guided: GuidedFields,
     /// Every field not named above: ignored, with a warning in the log and
     /// `rill_ignored_request_fields_total{field}` counted.
     #[serde(flatten)]
     #[schema(ignore)]
     pub unknown: UnknownFields,
+}
+
+/// Constrained decoding: the output follows a grammar. At most one of these may be given.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct GuidedFields {
+    /// The shape of the answer: `{"type": "text"}` (default), `{"type": "json_object"}`, or
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
+    pub response_format: Option<ResponseFormat>,
+    /// vLLM extension: JSON that validates against this JSON Schema (an object or a JSON string).
+    #[schema(value_type = Option<Object>)]
+    pub guided_json: Option<serde_json::Value>,
+    /// vLLM extension: text that matches this regular expression.
+    pub guided_regex: Option<String>,
+    /// vLLM extension: text in the language of this Lark grammar (llguidance's dialect).
+    pub guided_grammar: Option<String>,
+    /// vLLM extension: exactly one of these strings.
+    pub guided_choice: Option<Vec<String>>,
+    /// vLLM extension: one of `json`, `regex`, `choice`, `grammar`, `json_object`.
+    pub structured_outputs: Option<StructuredOutputs>,
+}
+
+/// vLLM's `structured_outputs`: exactly one key set.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StructuredOutputs {
+    #[schema(value_type = Option<Object>)]
+    pub json: Option<serde_json::Value>,
+    pub regex: Option<String>,
+    pub choice: Option<Vec<String>>,
+    pub grammar: Option<String>,
+    #[serde(default)]
+    pub json_object: bool,
 }
 
 /// A tool the model may call.

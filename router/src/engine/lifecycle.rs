@@ -45,6 +45,7 @@ impl EngineCore {
                     sample: true,
                     params: Some(pb::SamplingParams::default()),
                     cached_token_ids: Vec::new(),
+                    allowed_token_bitmask: Vec::new(),
                 }],
                 ..Default::default()
             };

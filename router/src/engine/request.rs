@@ -7,6 +7,7 @@ use tokenizers::Tokenizer;
 
 use super::{EndEvent, EngineError, EventSender, FinishReason, NewRequest, RequestId, TokenEvent};
 use crate::{
+    grammar::GrammarMatcher,
     scheduler::SeqView,
     shard::pb,
     telemetry,
@@ -55,6 +56,9 @@ pub struct Sequence {
     pub queue_span: Option<tracing::Span>,
     request: ValidRequest,
     events: EventSender,
+    /// Under a grammar: where the generated tokens so far stand in it. Each sampled chunk carries the
+    /// tokens it allows next; each sampled token advances it.
+    grammar: Option<GrammarMatcher>,
     detokenizer: IncrementalDetokenizer,
     stop: StopMatcher,
     generated_text: String,
@@ -104,6 +108,7 @@ impl Sequence {
             detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, request.skip_special_tokens),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),
+            grammar: request.grammar.as_ref().map(|grammar| grammar.matcher()),
             request,
             events,
         }
@@ -178,15 +183,38 @@ impl Sequence {
             Vec::new()
         };
         self.is_known_to_shards = true;
+        let sample = end == self.token_ids.len();
         pb::SequenceChunk {
             id: self.id.0,
             token_ids: self.token_ids[start..end].to_vec(),
             num_computed_tokens: start as u32,
             block_table: self.blocks.clone(),
-            sample: end == self.token_ids.len(),
+            sample,
             params,
             cached_token_ids,
+            allowed_token_bitmask: if sample {
+                self.allowed_tokens(eos_token_ids)
+            } else {
+                Vec::new()
+            },
         }
+    }
+
+    /// The grammar's mask for the next token (empty without a grammar). Should the grammar fail, only
+    /// EOS is allowed: the output ends rather than leave the grammar.
+    fn allowed_tokens(&mut self, eos_token_ids: &HashSet<u32>) -> Vec<u32> {
+        let Some(grammar) = &mut self.grammar else {
+            return Vec::new();
+        };
+        grammar.allowed_tokens().unwrap_or_else(|error| {
+            tracing::warn!(request_id = %self.tag, %error, "grammar failed; ending the sequence");
+            let num_words = eos_token_ids.iter().max().map_or(0, |&max| max as usize / 32 + 1);
+            let mut mask = vec![0u32; num_words];
+            for &id in eos_token_ids {
+                mask[id as usize / 32] |= 1 << (id % 32);
+            }
+            mask
+        })
     }
 
     /// A new choice of this sequence's prompt that shares every full block before the last prompt
@@ -212,6 +240,11 @@ impl Sequence {
     ) -> TokenOutcome {
         let token_id = generation.token_id;
         self.token_ids.push(token_id);
+        if let Some(grammar) = &mut self.grammar {
+            if let Err(error) = grammar.accept(token_id) {
+                tracing::warn!(request_id = %self.tag, %error, "grammar refused a sampled token");
+            }
+        }
         let mut finish = None;
         let piece = match self.detokenizer.push(tokenizer, token_id) {
             Ok(piece) => piece,

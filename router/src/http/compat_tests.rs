@@ -53,7 +53,8 @@ async fn inert_fields_asking_for_more_get_a_422_naming_them() {
 #[tokio::test]
 async fn unknown_fields_are_ignored_logged_and_counted() {
     let server = server(64, 16).await;
-    let body = json!({"prompt": "w1", "max_tokens": 1, "frobnicate": 3, "some_other_servers_extension": {}});
+    let body = json!({"prompt": "w1", "max_tokens": 1, "seed": 2, "store": false, "response_format": {"type": "text"},
+                      "frobnicate": 3, "some_other_servers_extension": {}});
     let (status, _, text) = post(&server.app, "/v1/completions", body).await;
     assert_eq!(status, StatusCode::OK, "{text}");
     let metrics = server.state.engine.metrics.render();
@@ -65,6 +66,10 @@ async fn unknown_fields_are_ignored_logged_and_counted() {
         metrics.contains("field=\"some_other_servers_extension\"} 1"),
         "{metrics}"
     );
+    // Known fields are never counted, whatever struct of the request holds them.
+    for known in ["prompt", "max_tokens", "seed", "store", "response_format"] {
+        assert!(!metrics.contains(&format!("field=\"{known}\"")), "{known}: {metrics}");
+    }
 }
 
 #[tokio::test]

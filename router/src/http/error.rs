@@ -56,6 +56,9 @@ impl From<JsonRejection> for ApiError {
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
+            // A grammar that does not compile is a malformed request, as in OpenAI's API.
+            ApiError::Validation(ValidationError::InvalidGrammar(..)) => StatusCode::BAD_REQUEST,
+            ApiError::Validation(ValidationError::GrammarCompile(_)) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Validation(_) | ApiError::Unprocessable(_) | ApiError::ChatTemplate(_) => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }

@@ -6,6 +6,7 @@ mod compat;
 #[cfg(test)]
 mod compat_tests;
 mod error;
+mod guided;
 mod middleware;
 mod native;
 mod openai;

@@ -12,7 +12,7 @@ use axum::{
 };
 use futures::Stream;
 
-use super::{acquire, collect, submit, ApiError, AppState, RequestTag};
+use super::{acquire, collect, guided, submit, ApiError, AppState, RequestTag};
 use crate::{
     api::{
         Details, ErrorResponse, GenerateParameters, GenerateRequest, GenerateResponse, StreamDetails, StreamResponse,
@@ -40,9 +40,6 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     if parameters.decoder_input_details {
         return Err(unsupported("decoder_input_details", "is not supported"));
     }
-    if parameters.grammar.as_ref().is_some_and(|g| !g.is_null()) {
-        return Err(unsupported("grammar", "is not supported"));
-    }
     if parameters.adapter_id.is_some() {
         return Err(unsupported("adapter_id", "is not supported: Rill serves one model"));
     }
@@ -68,6 +65,9 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     input.truncate = parameters.truncate;
     input.priority = parameters.priority;
     input.cache_salt = parameters.cache_salt;
+    if let Some(grammar) = &parameters.grammar {
+        input.grammar = guided::from_tgi(grammar)?;
+    }
     Ok(input)
 }
 

@@ -18,14 +18,16 @@ use axum::{
 use futures::{stream::SelectAll, StreamExt};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
-use super::{acquire, collect_all, compat, error::OpenAiError, submit, ApiError, AppState, Finished, RequestTag};
+use super::{
+    acquire, collect_all, compat, error::OpenAiError, guided, submit, ApiError, AppState, Finished, RequestTag,
+};
 use crate::{
     api::{
         openai::{
             AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
             ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionPrompt,
             CompletionRequest, CompletionResponse, ErrorResponse, Model, ModelList, PromptTokensDetails,
-            ResponseFormat, SamplingFields, StreamOptions, TokenLogprob, TopLogprob, Usage,
+            SamplingFields, StreamOptions, TokenLogprob, TopLogprob, Usage,
         },
         FinishReason,
     },
@@ -59,7 +61,7 @@ fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError>
     }
 }
 
-/// Chat fields whose support comes later: accepted only when they ask for plain text without tools.
+/// Chat fields whose support comes later: accepted only when they ask for no tools.
 fn check_chat_features(request: &ChatCompletionRequest) -> Result<(), ApiError> {
     let unsupported = |param: &str, what: &str| ApiError::Unsupported {
         message: format!("`{param}`: {what} is not supported by this server"),
@@ -68,14 +70,11 @@ fn check_chat_features(request: &ChatCompletionRequest) -> Result<(), ApiError> 
     if request.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
         return Err(unsupported("tools", "tool calling"));
     }
-    if let Some(choice) = &request.tool_choice {
-        if !(choice.is_null() || choice == "none" || choice == "auto") {
-            return Err(unsupported("tool_choice", "a tool choice other than none or auto"));
+    match &request.tool_choice {
+        Some(choice) if !(choice.is_null() || choice == "none" || choice == "auto") => {
+            Err(unsupported("tool_choice", "a tool choice other than none or auto"))
         }
-    }
-    match request.response_format {
-        None | Some(ResponseFormat::Text) => Ok(()),
-        Some(_) => Err(unsupported("response_format", "a response format other than text")),
+        _ => Ok(()),
     }
 }
 
@@ -90,7 +89,6 @@ fn template_variables(request: &ChatCompletionRequest) -> serde_json::Map<String
 
 /// Maps the OpenAI sampling fields onto the shared `GenerateInput`.
 fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<u32, ApiError> {
-    compat::check_inert(&fields.inert)?;
     // OpenAI samples by default (temperature 1); `temperature: 0` asks for greedy decoding.
     input.do_sample = true;
     input.temperature = fields.temperature;
@@ -284,6 +282,8 @@ pub async fn completions(
         }
         .into());
     }
+    compat::check_inert(&request.inert)?;
+    let grammar = guided::from_openai(&request.guided)?;
     let mut n = 1;
     let mut inputs = Vec::with_capacity(prompts.len());
     for prompt in prompts {
@@ -292,6 +292,7 @@ pub async fn completions(
         input.max_new_tokens = Some(request.max_tokens.unwrap_or(16));
         input.top_n_tokens = top_n;
         n = apply_sampling(&mut input, &request.sampling)?;
+        input.grammar = grammar.clone();
         inputs.push(input);
     }
     let permit = acquire(&state, inputs.len() as u32 * n)?;
@@ -473,6 +474,8 @@ pub async fn chat_completions(
     }
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
+    compat::check_inert(&request.inert)?;
+    input.grammar = guided::from_openai(&request.guided)?;
     let permit = acquire(&state, n)?;
     let (valid, receivers) = submit(&state, &tag, input, n).await?;
     let id = format!("chatcmpl-{}", uuid_like());

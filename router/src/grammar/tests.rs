@@ -1,0 +1,177 @@
+//! Grammar tests over a one-character-per-token vocabulary: seeded random walks through each mask
+//! always end in a sentence of the grammar, and bad grammars are errors naming the problem.
+
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use tokenizers::{models::bpe::BPE, pre_tokenizers::byte_level::ByteLevel, AddedToken, Tokenizer};
+
+use super::*;
+
+/// Printable ASCII, one token per character (ids 0..95, byte-level: the space is `Ġ`), then `<eos>`
+/// (id 95); logits have 100 entries.
+const EOS: u32 = 95;
+const VOCAB_SIZE: u32 = 100;
+
+/// One compiler for every test (they run in parallel; its cache is shared).
+fn compiler() -> GrammarCompiler {
+    static COMPILER: std::sync::OnceLock<GrammarCompiler> = std::sync::OnceLock::new();
+    COMPILER.get_or_init(build_compiler).clone()
+}
+
+fn build_compiler() -> GrammarCompiler {
+    let token = |i: u32| match i {
+        0 => "Ġ".to_owned(),
+        _ => char::from(b' ' + i as u8).to_string(),
+    };
+    let vocab: tokenizers::models::bpe::Vocab = (0u32..95).map(|i| (token(i), i)).collect();
+    // Byte-level BPE without merges: every character is its own token.
+    let model = BPE::builder()
+        .vocab_and_merges(vocab, Vec::new())
+        .build()
+        .expect("valid BPE model");
+    let mut tokenizer = Tokenizer::new(model);
+    let byte_level = ByteLevel::default().add_prefix_space(false);
+    tokenizer.with_pre_tokenizer(Some(byte_level));
+    tokenizer.with_decoder(Some(byte_level));
+    tokenizer.add_special_tokens(&[AddedToken::from("<eos>", true)]);
+    let dir = std::env::temp_dir().join(format!("rill-grammar-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("tokenizer.json");
+    tokenizer.save(&path, false).expect("saved tokenizer");
+    GrammarCompiler::new(&path, &[EOS], VOCAB_SIZE).expect("compiler")
+}
+
+fn is_allowed(mask: &[u32], token: u32) -> bool {
+    mask.get(token as usize / 32)
+        .is_some_and(|word| word >> (token % 32) & 1 == 1)
+}
+
+/// Samples uniformly among the allowed tokens until EOS; returns the text and whether EOS ended it.
+fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usize) -> (String, bool) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut matcher = grammar.matcher();
+    let mut text = String::new();
+    for _ in 0..max_tokens {
+        let mask = matcher.allowed_tokens().expect("mask");
+        let allowed: Vec<u32> = (0..VOCAB_SIZE).filter(|&t| is_allowed(&mask, t)).collect();
+        assert!(!allowed.is_empty(), "an empty mask after {text:?}");
+        assert!(allowed.iter().all(|&t| t < 96), "padding tokens allowed: {allowed:?}");
+        // Prefer continuing, so walks explore long outputs, but take EOS sometimes when allowed.
+        let token = if allowed.contains(&EOS) && (allowed.len() == 1 || rng.random_bool(0.3)) {
+            EOS
+        } else {
+            let choices: Vec<u32> = allowed.into_iter().filter(|&t| t != EOS).collect();
+            choices[rng.random_range(0..choices.len())]
+        };
+        if token == EOS {
+            assert!(
+                matcher.is_complete(),
+                "EOS allowed before the grammar was complete: {text:?}"
+            );
+            return (text, true);
+        }
+        matcher.accept(token).expect("an allowed token is accepted");
+        text.push(char::from(b' ' + token as u8));
+    }
+    (text, false)
+}
+
+async fn compile(spec: GrammarSpec) -> CompiledGrammar {
+    compiler().compile(&spec).await.expect("compiles")
+}
+
+#[tokio::test]
+async fn random_walks_through_a_schema_yield_valid_json() {
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 5},
+            "kind": {"enum": ["cat", "dog"]},
+            "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+        },
+        "required": ["name", "kind"],
+        "additionalProperties": false,
+    });
+    let grammar = compile(GrammarSpec::JsonSchema(schema)).await;
+    let mut num_finished = 0;
+    for seed in 0..40 {
+        let (text, finished) = random_walk(&grammar, seed, 400);
+        if !finished {
+            continue;
+        }
+        num_finished += 1;
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(value["name"].as_str().is_some_and(|n| n.chars().count() <= 5), "{text}");
+        assert!(["cat", "dog"].contains(&value["kind"].as_str().unwrap_or("")), "{text}");
+        let keys: Vec<&String> = value.as_object().expect("object").keys().collect();
+        assert!(
+            keys.iter().all(|k| ["name", "kind", "tags"].contains(&k.as_str())),
+            "{text}"
+        );
+    }
+    assert!(num_finished >= 20, "only {num_finished} walks finished");
+}
+
+#[tokio::test]
+async fn regex_and_choices_and_lark_constrain_exactly() {
+    let regex = compile(GrammarSpec::Regex("[0-9]{3}-[a-c]+".into())).await;
+    for seed in 0..20 {
+        let (text, finished) = random_walk(&regex, seed, 50);
+        if finished {
+            let (digits, letters) = text.split_once('-').expect("a dash");
+            assert!(
+                digits.len() == 3 && digits.chars().all(|c| c.is_ascii_digit()),
+                "{text}"
+            );
+            assert!(
+                !letters.is_empty() && letters.chars().all(|c| "abc".contains(c)),
+                "{text}"
+            );
+        }
+    }
+    let choices = vec!["yes".to_owned(), "no (maybe)".to_owned()];
+    let choice = compile(GrammarSpec::Choice(choices.clone())).await;
+    for seed in 0..20 {
+        let (text, finished) = random_walk(&choice, seed, 50);
+        assert!(finished && choices.contains(&text), "{text:?}");
+    }
+    let lark = compile(GrammarSpec::Lark(
+        "start: \"(\" NUM (\"+\" NUM)* \")\"\nNUM: /[1-9]/".into(),
+    ))
+    .await;
+    for seed in 0..20 {
+        let (text, finished) = random_walk(&lark, seed, 50);
+        if finished {
+            assert!(text.starts_with('(') && text.ends_with(')'), "{text}");
+            assert!(text[1..text.len() - 1].split('+').all(|n| n.len() == 1), "{text}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn bad_grammars_are_errors_naming_the_problem() {
+    let compiler = compiler();
+    for spec in [
+        GrammarSpec::JsonSchema(serde_json::json!({"type": "no-such-type"})),
+        GrammarSpec::JsonSchema(serde_json::json!(3)),
+        GrammarSpec::Regex("[unclosed".into()),
+        GrammarSpec::Lark("start: missing_rule".into()),
+        GrammarSpec::Choice(Vec::new()),
+    ] {
+        let error = compiler
+            .compile(&spec)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{spec:?} compiled"));
+        assert!(matches!(error, GrammarError::Invalid(_)), "{spec:?}: {error}");
+        assert!(!error.to_string().is_empty());
+    }
+}
+
+#[tokio::test]
+async fn compiled_grammars_are_cached() {
+    let compiler = compiler();
+    let spec = GrammarSpec::Regex("a+".into());
+    let first = compiler.compile(&spec).await.expect("compiles");
+    let second = compiler.compile(&spec).await.expect("compiles");
+    assert!(Arc::ptr_eq(&first.0, &second.0));
+}
