@@ -89,7 +89,6 @@ def test_cors_preflight_from_an_allowed_origin(compat_server: Server) -> None:
     response = requests.options(f"{compat_server.url}/v1/chat/completions", headers=headers, timeout=10)
     assert response.ok, response.status_code
     assert response.headers["access-control-allow-origin"] == ORIGIN
-    other = requests.options(
-        f"{compat_server.url}/v1/chat/completions", headers={**headers, "Origin": "https://evil.example"}, timeout=10
-    )
+    url = f"{compat_server.url}/v1/chat/completions"
+    other = requests.options(url, headers={**headers, "Origin": "https://evil.example"}, timeout=10)
     assert "access-control-allow-origin" not in other.headers
