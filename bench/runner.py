@@ -133,7 +133,10 @@ async def run_load(
     """Run `sessions` against `target`; `warmup` requests go first, one at a time, and are not recorded."""
     num_planned = sum(len(session) for session in sessions)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+    # A connection per request: servers that close kept-alive connections after a few requests (llama.cpp's
+    # llama-server does) would otherwise fail requests sent on a connection they just closed.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         target = await resolve_model(http, target)
         api = make_api(target)
         for spec in warmup or []:
