@@ -21,8 +21,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -112,37 +110,18 @@ def gguf_of(model_dir: Path, dtype: str) -> Path:
 
 
 @contextmanager
-def llama_cpp(binary: Path, gguf: Path, dtype: str, num_threads: int, port: int) -> Iterator[str]:
+def llama_cpp(binary: Path, gguf: Path, dtype: str, num_threads: int) -> Iterator[str]:
+    from bench import suite
+
     kv_type = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    port = suite.free_port()
     log = Path(tempfile.gettempdir()) / f"rill-bench-llama-cpp-{port}.log"
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(CLIENTS),
                "-c", str(CLIENTS * CONTEXT_PER_SLOT), "--cont-batching", "-t", str(num_threads), "-tb",
                str(num_threads), "--cache-type-k", kv_type, "--cache-type-v", kv_type]  # fmt: skip
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
     print(f"[peers] starting llama.cpp: {' '.join(command[1:])}; log {log}", flush=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {process.returncode}; see {log}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"llama-server not healthy after 300 s; see {log}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with suite.serving("llama-server", command, port, log, timeout_s=300) as server:
+        yield server.url
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,7 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = [*WORKLOAD, "--num-requests", str(args.num_requests), "--api", "openai", "--ignore-eos"]
     rill_flags = ["--dtype", args.dtype, "--max-batch-size", str(CLIENTS)]
     with (
-        llama_cpp(binary, gguf, args.dtype, args.num_threads, suite.free_port()) as llama_url,
+        llama_cpp(binary, gguf, args.dtype, args.num_threads) as llama_url,
         suite.rill(args, "peers", *rill_flags) as rill_server,
     ):
         report = suite.compare_urls(args, llama_url, rill_server.url, *workload)

@@ -55,6 +55,35 @@ def _get(url: str) -> str:
 
 
 @contextmanager
+def serving(name: str, command: list[str], port: int, log: Path, timeout_s: float) -> Iterator[Server]:
+    """Runs `command` (a server on `port`, output into `log`) until GET /health answers, yields it, and stops
+    it with SIGTERM on exit (SIGKILL after a minute)."""
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see {log}")
+            try:
+                if _get(f"{url}/health") is not None:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s; see {log}")
+            time.sleep(0.5)
+        yield Server(url, process, log)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@contextmanager
 def rill(args: argparse.Namespace, name: str, *flags: str) -> Iterator[Server]:
     """A Rill server started with `python -m rill` and these extra flags; stopped with SIGTERM on exit."""
     port = free_port()
@@ -65,30 +94,9 @@ def rill(args: argparse.Namespace, name: str, *flags: str) -> Iterator[Server]:
         command += ["--model-id", str(args.model_id)]
     if args.router_bin:
         command += ["--router-bin", str(args.router_bin)]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
     print(f"[suite] starting {name}: {' '.join(flags) or '(defaults)'}; log {log}", flush=True)
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode}; see {log}")
-            try:
-                if _get(f"{url}/health") is not None:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not ready; see {log}")
-            time.sleep(0.5)
-        yield Server(url, process, log)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with serving(name, command, port, log, timeout_s=900) as server:
+        yield server
 
 
 def metrics(server: Server) -> dict[str, float]:
