@@ -167,15 +167,12 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Resolves when `drained` does. If the engine task ends first, every request would fail from then on:
-/// logs why and exits with status 1; the launcher then exits non-zero too, for its supervisor to restart it.
+/// Resolves when `drained` does. If the engine task ends first (`EngineTask::until_drained`), logs why and
+/// exits with status 1; the launcher then exits non-zero too, for its supervisor to restart it.
 async fn exit_if_engine_stops(engine: EngineTask, drained: impl std::future::Future<Output = ()>) {
-    tokio::select! {
-        () = drained => {}
-        reason = engine.stopped() => {
-            tracing::error!(%reason, "the engine stopped; exiting");
-            std::process::exit(1);
-        }
+    if let Err(reason) = engine.until_drained(drained).await {
+        tracing::error!(%reason, "the engine stopped; exiting");
+        std::process::exit(1);
     }
 }
 

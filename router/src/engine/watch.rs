@@ -38,6 +38,16 @@ impl EngineTask {
         }
     }
 
+    /// Resolves when `drained` does (the server's graceful shutdown), with `Ok`; if the engine task ends
+    /// first, every request would fail from then on, so it resolves at once with why, as `Err`, for the
+    /// binary to log and exit non-zero.
+    pub async fn until_drained(self, drained: impl std::future::Future<Output = ()>) -> Result<(), String> {
+        tokio::select! {
+            () = drained => Ok(()),
+            reason = self.stopped() => Err(reason),
+        }
+    }
+
     /// Stops the engine task: an engine that died, for tests.
     #[cfg(test)]
     pub fn abort(&self) {
@@ -62,6 +72,29 @@ mod tests {
             reason,
             "the engine panicked: the plan names sequence 7, which is not running"
         );
+    }
+
+    #[tokio::test]
+    async fn a_panicking_engine_ends_serving_that_never_drains() {
+        let task = EngineTask {
+            task: tokio::spawn(async { panic!("a shard answered a sequence it was not asked for") }),
+        };
+        let never_drained = std::future::pending::<()>();
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(5), task.until_drained(never_drained))
+            .await
+            .expect("the engine's panic must end serving, not wait for a drain");
+        assert_eq!(
+            ended,
+            Err("the engine panicked: a shard answered a sequence it was not asked for".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_drain_ends_serving_while_the_engine_runs() {
+        let task = EngineTask {
+            task: tokio::spawn(std::future::pending::<()>()),
+        };
+        assert_eq!(task.until_drained(async {}).await, Ok(()));
     }
 
     #[tokio::test]
