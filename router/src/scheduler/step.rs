@@ -148,6 +148,7 @@ fn common_full_blocks(a: &[u32], b: &[u32], block_size: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::tests::seq;
     use crate::scheduler::{BatchingMode, KvAdmission};
 
     fn scheduler(mode: PreemptionMode) -> Scheduler {
@@ -168,33 +169,12 @@ mod tests {
         Scheduler::new(config, preemption, None)
     }
 
-    fn view(id: u64, num_tokens: usize, num_computed_tokens: usize, num_blocks: usize) -> SeqView {
-        SeqView {
-            id: RequestId(id),
-            num_tokens,
-            num_computed_tokens,
-            num_blocks,
-            num_freeable_blocks: num_blocks,
-            priority: 0,
-            num_times_overtaken: 0,
-            waited_ms: 0,
-            num_cached_evictable: 0,
-            is_deferred: false,
-            max_num_tokens: num_tokens,
-        }
-    }
-
     #[test]
     fn victims_swap_while_the_host_pool_has_room_then_recompute() {
         // Four decodes each needing a new block, none free: the youngest in work go first, the 4-token one
         // (1 block, for the oldest), then the 8-token one (2 blocks, for the next); 2 free host blocks
         // take the first victim only, the second recomputes.
-        let running = [
-            view(1, 17, 16, 4),
-            view(2, 13, 12, 3),
-            view(3, 9, 8, 2),
-            view(4, 5, 4, 1),
-        ];
+        let running = [seq(1, 17, 16, 4), seq(2, 13, 12, 3), seq(3, 9, 8, 2), seq(4, 5, 4, 1)];
         let plan = scheduler(PreemptionMode::Swap).plan(&running, &[], &[], 0, 2);
         assert_eq!(plan.preempted, vec![RequestId(4), RequestId(3)]);
         assert_eq!(plan.swapped_out, vec![RequestId(4)]);
@@ -213,11 +193,11 @@ mod tests {
         );
         assert!(!s.is_deferred(0, &prompt, 8, ahead), "both already cached");
         assert!(!s.is_deferred(7, &prompt, 0, ahead), "another cache namespace");
-        let mut deferred = view(1, 9, 0, 0);
+        let mut deferred = seq(1, 9, 0, 0);
         deferred.is_deferred = true;
-        let mut low = view(2, 4, 0, 0);
+        let mut low = seq(2, 4, 0, 0);
         low.priority = 1;
-        let waiting = [deferred, low, view(3, 4, 0, 0)];
+        let waiting = [deferred, low, seq(3, 4, 0, 0)];
         let plan = s.plan(&[], &[], &waiting, 100, 0);
         assert_eq!(plan.admitted, vec![RequestId(3), RequestId(2)]);
         assert_eq!(plan.deferred, vec![RequestId(1)]);

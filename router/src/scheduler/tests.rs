@@ -17,7 +17,7 @@ fn config(max_batch_tokens: usize, max_batch_size: usize) -> SchedulerConfig {
     }
 }
 
-fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_blocks: usize) -> SeqView {
+pub(super) fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_blocks: usize) -> SeqView {
     SeqView {
         id: RequestId(id),
         num_tokens,
