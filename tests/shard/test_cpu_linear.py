@@ -1,4 +1,5 @@
-"""`rill.kernels.cpu.linear`, the CPU kernels' matmul: against a float64 product, and batch-invariant bitwise.
+"""`rill.kernels.cpu.linear`, the CPU kernels' float32 matmul: against a float64 product, its documented
+arithmetic exactly, and batch-invariant bitwise.
 
 Row r of x @ w^T must come out with the same bits whatever else is in x (a decode batch of 1, 16 or 64 rows, a
 600-token prefill, a chunk of it) and whatever the thread count: the float32 invariance of the whole model
@@ -11,9 +12,8 @@ import pytest
 import torch
 from rill.kernels import cpu as cpu_kernels
 
-# (in, out): the default model's shapes (qkv, o, gate/up, down), odd ones, and a K tail past the vector width.
+# (in, out): the default model's shapes (qkv, o, gate/up, down), odd ones, and an output tail past the panel width.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (100, 33), (48, 7)]
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -23,38 +23,56 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def random_weight(in_features: int, out_features: int, seed: int) -> tuple[torch.Tensor, torch.Generator]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=generator), generator
+
+
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
-def test_matches_a_float64_product(dtype, in_features, out_features):
-    generator = torch.Generator().manual_seed(in_features + out_features)
-    w = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    x = torch.randn(37, in_features, generator=generator).to(dtype)
+def test_matches_a_float64_product(in_features, out_features):
+    w, generator = random_weight(in_features, out_features, in_features + out_features)
+    x = torch.randn(37, in_features, generator=generator)
     expected = x.double() @ w.double().T
-    for float32_out in (False, True):
-        y = cpu_kernels.linear(x, w, float32_out)
-        assert y.dtype == (torch.float32 if float32_out else dtype)
-        error = ((y.double() - expected).abs().max() / expected.abs().max()).item()
-        assert error <= TOLERANCE[dtype]
+    y = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), out_features)
+    assert y.dtype == torch.float32 and y.shape == (37, out_features)
+    error = ((y.double() - expected).abs().max() / expected.abs().max()).item()
+    assert error <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_output_is_one_ascending_fma_chain():
+    """The documented arithmetic, exactly: y[r, n] = fma(x[r, K-1], w[n, K-1], ... fma(x[r, 0], w[n, 0], 0))."""
+    w, generator = random_weight(40, 35, 3)
+    x = torch.randn(5, 40, generator=generator)
+    expected = torch.zeros(5, 35, dtype=torch.float64)
+    for step in range(40):  # float64 product + sum of two float32 values, rounded once: a float32 FMA
+        expected = (expected + x[:, step, None].double() * w[None, :, step].double()).float().double()
+    y = cpu_kernels.linear(x, cpu_kernels.pack_linear(w), 35)
+    assert torch.equal(y, expected.float())
+
+
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
-def test_a_row_does_not_depend_on_the_batch_or_the_threads(dtype, in_features, out_features):
-    generator = torch.Generator().manual_seed(7)
-    w = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    x = torch.randn(600, in_features, generator=generator).to(dtype)
+def test_a_row_does_not_depend_on_the_batch_or_the_threads(in_features, out_features):
+    w, generator = random_weight(in_features, out_features, 7)
+    packed = cpu_kernels.pack_linear(w)
+    x = torch.randn(600, in_features, generator=generator)
     torch.set_num_threads(2)
-    full = cpu_kernels.linear(x, w)
-    for num_rows in (1, 2, 3, 5, 16, 17, 64, 65, 100, 130):
-        assert torch.equal(cpu_kernels.linear(x[:num_rows], w), full[:num_rows]), num_rows
-        assert torch.equal(cpu_kernels.linear(x[300 : 300 + num_rows], w), full[300 : 300 + num_rows])
+    full = cpu_kernels.linear(x, packed, out_features)
+    for num_rows in (1, 2, 3, 5, 12, 13, 16, 17, 64, 65, 96, 97, 100, 130):
+        assert torch.equal(cpu_kernels.linear(x[:num_rows], packed, out_features), full[:num_rows]), num_rows
+        part = cpu_kernels.linear(x[300 : 300 + num_rows], packed, out_features)
+        assert torch.equal(part, full[300 : 300 + num_rows]), num_rows
     torch.set_num_threads(1)
-    assert torch.equal(cpu_kernels.linear(x, w), full)
-    assert torch.equal(cpu_kernels.linear(x[599:], w), full[599:])
+    assert torch.equal(cpu_kernels.linear(x, packed, out_features), full)
+    assert torch.equal(cpu_kernels.linear(x[599:], packed, out_features), full[599:])
 
 
 def test_refuses_mismatched_inputs():
-    with pytest.raises(RuntimeError, match="linear needs x"):
-        cpu_kernels.linear(torch.zeros(2, 8), torch.zeros(3, 9))
-    with pytest.raises(RuntimeError, match="dtype"):
-        cpu_kernels.linear(torch.zeros(2, 8), torch.zeros(3, 8, dtype=torch.bfloat16))
+    packed = cpu_kernels.pack_linear(torch.zeros(3, 8))
+    with pytest.raises(RuntimeError, match="packed by pack_linear"):
+        cpu_kernels.linear(torch.zeros(2, 9), packed, 3)
+    with pytest.raises(RuntimeError, match="packed by pack_linear"):
+        cpu_kernels.linear(torch.zeros(2, 8), packed, 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 3)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.pack_linear(torch.zeros(3, 8, dtype=torch.bfloat16))

@@ -193,7 +193,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, float32_out: bool = False) -> torch.Tensor:
-    """x [rows, in] @ weight [out, in]^T in x's dtype (float32 with `float32_out`, for logits). Row r of the
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [out, in] repacked for `linear`: [ceil(out / 32), in, 32], zero-padded past `out`."""
+    return load().pack_linear(weight)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, in] @ weight [out_features, in]^T in float32, the weight packed by `pack_linear`. Row r of the
     result depends only on row r of x: the same bits in a batch of 1 or 1000 and on any number of threads."""
-    return load().linear(x, weight, float32_out)
+    return load().linear(x, packed, out_features)

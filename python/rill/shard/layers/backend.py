@@ -26,6 +26,10 @@ class KernelLayer(nn.Module):
 
     backend: Backend = Backend.TORCH
 
+    def set_backend(self, backend: Backend) -> None:
+        """Runs `backend` from now on; a layer may lay out its loaded weights for it here (once)."""
+        self.backend = backend
+
     def backend_unsupported(self, backend: Backend) -> str | None:
         """Why this layer cannot run `backend` (None: it can)."""
         return None
@@ -38,7 +42,7 @@ def unsupported_reasons(model: nn.Module, backend: Backend) -> list[str]:
 
 
 def use_backend(model: nn.Module, backend: Backend) -> None:
-    """Sets the backend of every kernel layer of `model`."""
+    """Sets the backend of every kernel layer of `model`, once its weights are loaded."""
     for module in model.modules():
         if isinstance(module, KernelLayer):
-            module.backend = backend
+            module.set_backend(backend)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from rill.shard import distributed
-from rill.shard.layers.backend import KernelLayer
-from rill.shard.layers.linear import copy_into, invariant_matmul, loaded_shape, read_part
+from rill.shard.layers.backend import Backend, KernelLayer
+from rill.shard.layers.linear import PackedWeight, copy_into, invariant_matmul, loaded_shape, read_part
 
 
 class VocabParallel(nn.Module):
@@ -52,8 +52,27 @@ class Embedding(VocabParallel):
 
 
 class LMHead(VocabParallel, KernelLayer):
-    """Logits for the given hidden rows, in float32. With tied embeddings, `weight` is the embedding's."""
+    """Logits for the given hidden rows, in float32. Tied (`tie_to`), `weight` is the embedding's; on the CPU
+    kernels the head multiplies by a packed copy (`PackedWeight`) and an untied head keeps only that."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.is_tied = False
+        self.packed: PackedWeight | None = None  # set with the backend, after loading
+
+    def tie_to(self, embedding: Embedding) -> None:
+        self.weight = embedding.weight
+        self.is_tied = True
+
+    def set_backend(self, backend: Backend) -> None:
+        super().set_backend(backend)
+        self.packed = PackedWeight(self.weight, backend)
+        if self.packed.is_packed and not self.is_tied:
+            self.weight = None  # the packed copy replaces it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = invariant_matmul(hidden, self.weight, self.backend).float()
-        return distributed.all_gather_cat(logits, dim=-1)[:, : self.vocab_size]
+        if self.packed is None:
+            logits = invariant_matmul(hidden, self.weight, self.backend)
+        else:
+            logits = self.packed.matmul(hidden)
+        return distributed.all_gather_cat(logits.float(), dim=-1)[:, : self.vocab_size]

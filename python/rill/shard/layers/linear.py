@@ -2,7 +2,8 @@
 
 Invariant: every matmul of activations by a weight goes through `invariant_matmul`, whose row r depends only
 on row r of its input. On the CPU kernels (float32) that is `rill.kernels.cpu.linear`, whose arithmetic per
-output is fixed whatever the row count or thread count. The torch reference pads the row count up to a
+output is fixed whatever the row count or thread count; it reads the weight packed once when the backend is
+set (`PackedWeight`), and the layer then keeps only the packed copy. The torch reference pads the row count up to a
 multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): CPU GEMM (MKL/oneDNN) picks different kernels for small row
 counts (measured: with 1 thread, 1..15 rows differ bitwise from the same rows inside a 600-row product);
 with 2 threads it also splits some shapes differently at larger row counts (a [1536 -> 576] product differed
@@ -35,10 +36,29 @@ from rill.shard.layers.backend import Backend, KernelLayer
 ROW_MULTIPLE = 16
 
 
+class PackedWeight:
+    """A layer's weight [out, in] as its backend multiplies it: on the CPU kernels in float32, packed once
+    (`rill.kernels.cpu.pack_linear`); otherwise the weight as loaded."""
+
+    def __init__(self, weight: torch.Tensor, backend: Backend) -> None:
+        self.backend = backend
+        self.out_features = weight.shape[0]
+        self.is_packed = backend is Backend.CPU and weight.dtype == torch.float32
+        self.tensor = cpu_kernels.pack_linear(weight) if self.is_packed else weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T`, row r depending only on row r of x (float32)."""
+        if self.is_packed:
+            return cpu_kernels.linear(x, self.tensor, self.out_features)
+        return invariant_matmul(x, self.tensor, self.backend)
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, backend: Backend = Backend.TORCH) -> torch.Tensor:
-    """`x @ weight.T` for x of shape [rows, in]; row r of the result depends only on row r of x (float32)."""
+    """`x @ weight.T` for x of shape [rows, in] with torch's matmul; in float32 row r of the result depends
+    only on row r of x (rows padded to a multiple of ROW_MULTIPLE). The CPU backend multiplies as it is
+    (bfloat16, oneDNN; no invariance promised)."""
     if backend is Backend.CPU:
-        return cpu_kernels.linear(x, weight) if x.dtype == torch.float32 else x @ weight.T
+        return x @ weight.T
     num_rows = x.shape[0]
     padded_rows = max(ROW_MULTIPLE, -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE)
     if padded_rows != num_rows:
@@ -89,13 +109,25 @@ class Linear(KernelLayer):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.packed: PackedWeight | None = None  # set with the backend, after loading
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
         assert shard_id is None, f"unexpected shard id {shard_id!r} for an unfused parameter"
         copy_into(param.data, read_part(loaded))
 
+    def set_backend(self, backend: Backend) -> None:
+        super().set_backend(backend)
+        self.packed = PackedWeight(self.weight, backend)
+        if self.packed.is_packed:
+            self.weight = None  # the packed copy replaces it
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return invariant_matmul(x, self.weight, self.backend)
+        return self.packed.matmul(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = invariant_matmul(x, self.weight, self.backend)
+        y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -201,7 +233,7 @@ class RowParallelLinear(Linear):
         copy_into(param.data, read_part(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = distributed.all_reduce(invariant_matmul(x, self.weight, self.backend))
+        y = distributed.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 

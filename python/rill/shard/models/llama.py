@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     @property
     def num_kv_heads(self) -> int:

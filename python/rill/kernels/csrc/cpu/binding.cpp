@@ -211,24 +211,31 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   }
 }
 
-// x [M, K] @ w [N, K]^T, same dtype; the result in x's dtype, or float32 with `float32_out` (logits).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, bool float32_out) {
-  check_cpu(x, "x");
-  check_same_dtype(w, x, "w");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear needs x [M, K] and w [N, K], got ",
-              x.sizes(), " and ", w.sizes());
-  auto xc = x.contiguous();
+// w [N, K] float32 -> [ceil(N / kPanel), K, kPanel], the layout `linear` reads.
+at::Tensor pack_linear(const at::Tensor& w) {
+  check_cpu(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_linear needs a float32 w [N, K], got ",
+              w.scalar_type(), " ", w.sizes());
   auto wc = w.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = wc.size(0);
-  auto y = at::empty({m, n}, xc.options().dtype(float32_out ? at::kFloat : xc.scalar_type()));
-  if (m == 0 || n == 0) return y;
-  if (xc.scalar_type() == at::kFloat) {
-    rill_cpu::linear(ptr<const float>(xc), ptr<const float>(wc), ptr<float>(y), m, k, n);
-  } else if (float32_out) {
-    rill_cpu::linear(ptr<const bf16>(xc), ptr<const bf16>(wc), ptr<float>(y), m, k, n);
-  } else {
-    rill_cpu::linear(ptr<const bf16>(xc), ptr<const bf16>(wc), ptr<bf16>(y), m, k, n);
-  }
+  const int64_t n = wc.size(0), k = wc.size(1);
+  auto packed = at::empty({(n + rill_cpu::kPanel - 1) / rill_cpu::kPanel, k, rill_cpu::kPanel}, wc.options());
+  rill_cpu::pack_linear(ptr<const float>(wc), ptr<float>(packed), n, k);
+  return packed;
+}
+
+// x [M, K] @ w^T with w [N, K] packed by pack_linear (float32).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear needs a float32 x [M, K], got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1) &&
+                  packed.size(2) == rill_cpu::kPanel && packed.size(0) == (n + rill_cpu::kPanel - 1) / rill_cpu::kPanel,
+              "linear needs a weight packed by pack_linear for K = ", x.size(1), " and N = ", n, ", got ",
+              packed.sizes());
+  auto xc = x.contiguous();
+  auto y = at::empty({xc.size(0), n}, xc.options());
+  if (xc.size(0) == 0 || n == 0) return y;
+  rill_cpu::linear(ptr<const float>(xc), packed.const_data_ptr<float>(), ptr<float>(y), xc.size(0), xc.size(1), n);
   return y;
 }
 
@@ -243,6 +250,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, release_gil);
   m.def("rotary_embedding", &rotary_embedding, release_gil);
   m.def("silu_and_mul", &silu_and_mul, release_gil);
+  m.def("pack_linear", &pack_linear, release_gil);
   m.def("linear", &linear, release_gil);
 #if defined(__AVX512F__)
   m.attr("HAS_AVX512") = true;

@@ -55,10 +55,16 @@ void rotary_embedding(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, i
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, int num_threads);
 
-// y = x @ w^T for x [m, k], w [n, k], y [m, n] (row-major). Each output's arithmetic is the same whatever m,
-// the tile it falls in or the thread that computes it (linear.cpp), so a row's result does not depend on the
-// batch. Parallel over torch's intra-op threads (at::parallel_for). T is float or bf16; Out is T or float.
-template <typename T, typename Out>
-void linear(const T* x, const T* w, Out* y, int64_t m, int64_t k, int64_t n);
+// Output features per panel of a packed weight.
+constexpr int64_t kPanel = 32;
+
+// Packs w [n, k] (row-major float32) into ceil(n / kPanel) panels [k][kPanel], zero past row n: the layout
+// `linear` reads.
+void pack_linear(const float* w, float* packed, int64_t n, int64_t k);
+
+// y = x @ w^T for x [m, k], y [m, n] (row-major float32) and w packed by pack_linear. Each output is one fused
+// multiply-add chain over k in ascending order whatever m, the tile it falls in or the thread that computes it
+// (linear.cpp), so a row's result does not depend on the batch. Parallel over torch's intra-op threads.
+void linear(const float* x, const float* packed, float* y, int64_t m, int64_t k, int64_t n);
 
 }  // namespace rill_cpu
