@@ -131,11 +131,14 @@ def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
     from rill.shard.layers.embedding import LMHead
     from rill.shard.layers.linear import Linear, invariant_matmul
 
-    weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear | LMHead)]
+    layers = [m for m in runner.model.modules() if isinstance(m, Linear | LMHead)]
+    # The runner's layers hold packed weights; the same shapes with random values time the same.
+    weights = [torch.randn(m.packed.out_features, m.packed.tensor.shape[1]) for m in layers if m.packed]
+    packed = {id(w): cpu_kernels.pack_linear(w) for w in weights}
     ways = {
         "torch padded": lambda x, w: invariant_matmul(x, w, Backend.TORCH),
         "torch unpadded": lambda x, w: x @ w.T,
-        "rill kernel": lambda x, w: cpu_kernels.linear(x, w),
+        "rill kernel": lambda x, w: cpu_kernels.linear(x, packed[id(w)], w.shape[0]),
     }
     rows = []
     for batch in LINEAR_BATCH_SIZES:

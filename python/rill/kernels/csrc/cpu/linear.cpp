@@ -32,16 +32,26 @@ constexpr int kMaxRows = 12;         // rows of x per tile: 12 x 2 accumulator v
 constexpr int64_t kRowBlock = 96;    // rows of x a prefill task keeps in L2 while it passes over its panels
 constexpr int64_t kPanelBlock = 8;   // panels per prefill task
 
-// y[r0 + i, n0 + j] for i < R, j < width (width <= kPanel) from the panel at `panel` ([k][kPanel]).
+// y[r0 + i, n0 + j] for i < R, j < width (width <= kPanel) from the panel at `panel` ([k][kPanel]). With `next`,
+// one step of the next panel is fetched into cache every `every` steps, so reading weights from memory overlaps
+// the arithmetic (the tiles of a panel share the fetching of the next one evenly).
 template <int R>
-inline void tile(const float* x, int64_t k, const float* panel, float* y, int64_t ldy, int64_t width) {
+inline void tile(const float* x, int64_t k, const float* panel, const float* next, int64_t every, float* y,
+                 int64_t ldy, int64_t width) {
 #if defined(__AVX512F__)
   __m512 acc[R][2];
 #pragma GCC unroll 16
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  int64_t countdown = every;
   for (int64_t step = 0; step < k; ++step) {
     const __m512 w0 = _mm512_loadu_ps(panel + step * kPanel);
     const __m512 w1 = _mm512_loadu_ps(panel + step * kPanel + 16);
+    if (next != nullptr && --countdown == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + 16), _MM_HINT_T0);
+      next += kPanel;
+      countdown = every;
+    }
 #pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const __m512 xv = _mm512_set1_ps(x[i * k + step]);
@@ -57,6 +67,8 @@ inline void tile(const float* x, int64_t k, const float* panel, float* y, int64_
     _mm512_mask_storeu_ps(y + i * ldy + 16, high, acc[i][1]);
   }
 #else
+  (void)next;
+  (void)every;
   for (int i = 0; i < R; ++i) {
     for (int64_t j = 0; j < width; ++j) {
       float acc = 0.0f;
@@ -68,15 +80,16 @@ inline void tile(const float* x, int64_t k, const float* panel, float* y, int64_
 }
 
 template <int R>
-inline void tile_rows(int rows, const float* x, int64_t k, const float* panel, float* y, int64_t ldy,
-                      int64_t width) {
+inline void tile_rows(int rows, const float* x, int64_t k, const float* panel, const float* next, int64_t every,
+                      float* y, int64_t ldy, int64_t width) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1>(rows, x, k, panel, y, ldy, width);
+    if (rows < R) return tile_rows<R - 1>(rows, x, k, panel, next, every, y, ldy, width);
   }
-  tile<R>(x, k, panel, y, ldy, width);
+  tile<R>(x, k, panel, next, every, y, ldy, width);
 }
 
-// Rows [r_begin, r_end) of x against panel p, in tiles of equal size (at most kMaxRows rows each).
+// Rows [r_begin, r_end) of x against panel p, in tiles of equal size (at most kMaxRows rows each); together
+// they fetch panel p + 1 (when there is one) for the next call, tile t its t-th share of the steps.
 inline void rows_by_panel(const float* x, const float* packed, float* y, int64_t r_begin, int64_t r_end, int64_t k,
                           int64_t n, int64_t p) {
   const int64_t num_rows = r_end - r_begin;
@@ -84,11 +97,13 @@ inline void rows_by_panel(const float* x, const float* packed, float* y, int64_t
   const int64_t n0 = p * kPanel;
   const int64_t width = std::min<int64_t>(kPanel, n - n0);
   const float* panel = packed + p * k * kPanel;
+  const float* next = n0 + kPanel < n ? panel + k * kPanel : nullptr;
   const int64_t base = num_rows / num_tiles, extra = num_rows % num_tiles;  // the first `extra` tiles take one more
   int64_t r = r_begin;
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int rows = static_cast<int>(base + (t < extra ? 1 : 0));
-    tile_rows<kMaxRows>(rows, x + r * k, k, panel, y + r * n + n0, n, width);
+    const float* next_share = next == nullptr ? nullptr : next + (t * k / num_tiles) * kPanel;
+    tile_rows<kMaxRows>(rows, x + r * k, k, panel, next_share, num_tiles, y + r * n + n0, n, width);
     r += rows;
   }
 }
