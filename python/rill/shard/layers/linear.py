@@ -4,8 +4,8 @@ Invariant: every matmul of activations by a weight goes through `invariant_matmu
 on row r of its input. On the CPU kernels (float32) that is `rill.kernels.cpu.linear`, whose arithmetic per
 output is fixed whatever the row count or thread count; it reads the weight packed once when the backend is
 set (`PackedWeight`), and the layer then keeps only the packed copy. The torch reference pads the row count up
-to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): CPU GEMM (MKL/oneDNN) picks different kernels for small row
-counts (measured: with 1 thread, 1..15 rows differ bitwise from the same rows inside a 600-row product);
+to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): CPU GEMM (MKL/oneDNN) picks different kernels for small
+row counts (measured: with 1 thread, 1..15 rows differ bitwise from the same rows inside a 600-row product);
 with 2 threads it also splits some shapes differently at larger row counts (a [1536 -> 576] product differed
 at 64 and 100 rows), which padding cannot fix and the CPU kernel does. In bfloat16, where Rill promises no
 batch invariance, the CPU backend calls torch's matmul as it is (oneDNN, AMX where the CPU has it).

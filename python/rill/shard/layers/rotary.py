@@ -146,9 +146,14 @@ class CosSinTable:
         self.inv_freq, self.attention_factor = inv_freq, attention_factor
         self.cos = torch.empty(0, inv_freq.numel(), device=inv_freq.device)
         self.sin = torch.empty_like(self.cos)
+        # The last lookup (positions copied, dtype, result): every layer of a forward asks the same.
+        self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [len(positions), head_dim / 2] in `dtype`."""
+        last = self._last
+        if last is not None and last[1] == dtype and torch.equal(last[0], positions):
+            return last[2]
         num_needed = int(positions.max()) + 1 if positions.numel() else 0
         while self.cos.shape[0] < num_needed:
             start = self.cos.shape[0]
@@ -156,7 +161,9 @@ class CosSinTable:
             freqs = piece[:, None] * self.inv_freq[None, :]
             self.cos = torch.cat([self.cos, freqs.cos() * self.attention_factor])
             self.sin = torch.cat([self.sin, freqs.sin() * self.attention_factor])
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        cos_sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        self._last = (positions.clone(), dtype, cos_sin)
+        return cos_sin
 
 
 # One table per distinct (frequencies, attention factor, device), shared by every layer that uses them.
