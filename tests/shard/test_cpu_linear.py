@@ -12,7 +12,7 @@ import pytest
 import torch
 from rill.kernels import cpu as cpu_kernels
 
-# (in, out): the default model's shapes (qkv, o, gate/up, down), odd ones, an output tail past the panel width.
+# (in, out): the default model's shapes (qkv, o, gate/up, down); odd ones with output tails.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (100, 33), (48, 7)]
 
 
@@ -40,7 +40,7 @@ def test_matches_a_float64_product(in_features, out_features):
 
 
 def test_each_output_is_one_ascending_fma_chain():
-    """The documented arithmetic exactly: y[r, n] = fma(x[r, K-1], w[n, K-1], ... fma(x[r, 0], w[n, 0], 0))."""
+    """The documented arithmetic: y[r, n] = fma(x[r, K-1], w[n, K-1], ... fma(x[r, 0], w[n, 0], 0))."""
     w, generator = random_weight(40, 35, 3)
     x = torch.randn(5, 40, generator=generator)
     expected = torch.zeros(5, 35, dtype=torch.float64)
