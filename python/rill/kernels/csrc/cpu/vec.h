@@ -75,6 +75,7 @@ inline void store(float* p, Vec16 a) { _mm512_storeu_ps(p, a.v); }
 inline Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec16 sub(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec16 div(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec16 select(Mask m, Vec16 a, Vec16 b) {  // lane i: a where bit i is set, else b
@@ -151,6 +152,7 @@ inline void store(float* p, Vec16 a) { std::memcpy(p, a.v, sizeof a.v); }
 RILL_LANEWISE(add, a.v[i] + b.v[i])
 RILL_LANEWISE(sub, a.v[i] - b.v[i])
 RILL_LANEWISE(mul, a.v[i] * b.v[i])
+RILL_LANEWISE(div, a.v[i] / b.v[i])
 RILL_LANEWISE(max, a.v[i] > b.v[i] ? a.v[i] : b.v[i])
 #undef RILL_LANEWISE
 inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
