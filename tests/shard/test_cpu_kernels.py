@@ -208,8 +208,16 @@ def test_prefill_equals_chunks_equals_decode_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_thread_count_changes_nothing(dtype):
-    case = make_case([1, 200, 1, 33], [65, 200, 129, 90], 8, 2, 128, 32, dtype, device="cpu", seed=9)
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens"),
+    [
+        ([1, 200, 1, 33], [65, 200, 129, 90]),
+        # 6 decode rows: one item per row and KV head on 2 threads, one per row (all KV heads) on 1 thread.
+        ([1, 1, 1, 40, 1, 1, 1], [65, 130, 7, 40, 64, 200, 90]),
+    ],
+)
+def test_thread_count_changes_nothing(dtype, query_lens, context_lens):
+    case = make_case(query_lens, context_lens, 8, 2, 128, 32, dtype, device="cpu", seed=9)
     k_pool, v_pool = stored_pools(case, use_kernel=True)
     threads = torch.get_num_threads()
     try:

@@ -1,8 +1,10 @@
 // Paged attention on the CPU: one call for a whole batch of decode rows and prefill chunks.
 //
-// Work items are (sequence, tile of up to kRowsPerItem / group queries, KV head): all query heads of a KV head
-// are computed together, so each K/V row is read from memory once per item, and items run in parallel. K/V
-// are read in place through the block table.
+// Work items are (sequence, tile of up to kRowsPerItem / group queries, run of KV heads): all query heads of a
+// KV head are computed together, so each K/V row is read from memory once per item, and items run in parallel.
+// A prefill chunk's items take one KV head each; a decode row's item takes all KV heads when there are enough
+// decode rows to keep the threads busy, so it streams each slot's K/V (all heads, contiguous) in order. K/V are
+// read in place through the block table.
 //
 // Batch invariance (the output for one query does not depend on the rest of the call, nor on the thread
 // count): a query at position p walks the keys it sees, [lo, p] (lo = 0, or p - sliding_window + 1), in fixed
@@ -28,6 +30,7 @@ namespace {
 
 constexpr int64_t kKeyTile = 64;      // keys per online-softmax step; a multiple of 16
 constexpr int64_t kRowsPerItem = 32;  // (query, head) rows per work item, at least one query
+constexpr int64_t kDecodeRowsPerThread = 4;  // decode rows per thread from which an item takes all KV heads
 constexpr int kMaxPiece = 8;          // accumulator chunks of one row held in registers at once (128 dims)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -44,7 +47,8 @@ struct WorkItem {
   int64_t seq;
   int64_t query_begin;
   int64_t query_end;
-  int64_t kv_head;
+  int64_t kv_head;      // the first KV head
+  int64_t num_kv_heads;  // KV heads [kv_head, kv_head + num_kv_heads)
 };
 
 // Per-thread buffers, sized once per call.
@@ -53,7 +57,8 @@ struct Scratch {
   Scratch(int64_t max_rows, int64_t head_dim)
       : q(max_rows * head_dim), acc(max_rows * head_dim), probs(max_rows * kKeyTile), row_max(max_rows),
         row_sum(max_rows), rescale(max_rows), lo(max_rows), hi(max_rows), begin(max_rows), end(max_rows),
-        active(max_rows), q_raw(max_rows), zero_row(head_dim), k_rows(kKeyTile), v_rows(kKeyTile) {}
+        active(max_rows), q_raw(max_rows), kv_offset(max_rows), zero_row(head_dim), k_rows(kKeyTile),
+        v_rows(kKeyTile) {}
   std::vector<float> q;      // scaled queries, float32, [rows, head_dim]
   std::vector<float> acc;    // [rows, head_dim]
   std::vector<float> probs;  // this tile's scores, then probabilities, [rows, kKeyTile]
@@ -62,8 +67,9 @@ struct Scratch {
   std::vector<int64_t> begin, end;  // ... and within the current tile (tile-relative)
   std::vector<int64_t> active;      // rows that see a key of the current tile
   std::vector<const T*> q_raw;
+  std::vector<int64_t> kv_offset;  // row r's K/V within a slot's row of the item's first KV head
   std::vector<T> zero_row;  // stands in for keys a row does not see
-  std::vector<const T*> k_rows, v_rows;  // the current tile's K/V rows for this item's KV head
+  std::vector<const T*> k_rows, v_rows;  // the current tile's K/V rows, at the item's first KV head
 };
 
 // Scores (scaled) of one row for the 16 keys k[0..15] of a group: lane i = q . k[i].
@@ -102,7 +108,7 @@ void softmax_step(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
   for (int64_t g0 = first_group; g0 < end; g0 += kLanes) {
     for (int i = 0; i < kLanes; ++i) {
       const int64_t j = g0 + i;
-      keys[i] = j >= begin && j < end ? s.k_rows[j] : s.zero_row.data();
+      keys[i] = j >= begin && j < end ? s.k_rows[j] + s.kv_offset[r] : s.zero_row.data();
     }
     store(scores + g0, group_scores(s.q.data() + r * a.head_dim, s.q_raw[r], keys, a.head_dim, a.scale));
   }
@@ -128,11 +134,12 @@ void softmax_step(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
   s.row_max[r] = new_max;
 }
 
-// For ROWS rows at once (sharing the V loads): acc chunks [c0, c0 + PIECE) = acc * rescale, then
+// For ROWS rows of one KV head at once (sharing the V loads): acc chunks [c0, c0 + PIECE) = acc * rescale, then
 // acc += p[j] * v_j for each key j the row sees in this tile, in key order.
 template <int PIECE, int ROWS, typename T>
 void accumulate(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
   Vec16 acc[ROWS][PIECE];
+  const int64_t kv_offset = s.kv_offset[rows[0]];
   int64_t lo = s.begin[rows[0]], hi = s.end[rows[0]];
   for (int k = 0; k < ROWS; ++k) {
     const int64_t r = rows[k];
@@ -143,7 +150,7 @@ void accumulate(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0
   }
   for (int64_t j = lo; j < hi; ++j) {
     Vec16 v[PIECE];
-    for (int c = 0; c < PIECE; ++c) v[c] = load(s.v_rows[j] + (c0 + c) * kLanes);
+    for (int c = 0; c < PIECE; ++c) v[c] = load(s.v_rows[j] + kv_offset + (c0 + c) * kLanes);
     for (int k = 0; k < ROWS; ++k) {
       const int64_t r = rows[k];
       if (j < s.begin[r] || j >= s.end[r]) continue;
@@ -156,14 +163,20 @@ void accumulate(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0
   }
 }
 
-// Pairs of rows when a piece is at most 4 chunks (so 8 accumulator chains are in flight), single rows else.
+// Pairs of rows of one KV head when a piece is at most 4 chunks (so 8 accumulator chains are in flight), single
+// rows else.
 template <int PIECE, typename T>
 void accumulate_piece(Scratch<T>& s, int64_t num_active, int64_t head_dim, int64_t c0) {
-  int64_t k = 0;
-  if constexpr (PIECE <= 4) {
-    for (; k + 2 <= num_active; k += 2) accumulate<PIECE, 2>(s, s.active.data() + k, head_dim, c0);
+  const int64_t* active = s.active.data();
+  for (int64_t k = 0; k < num_active;) {
+    if (PIECE <= 4 && k + 1 < num_active && s.kv_offset[active[k]] == s.kv_offset[active[k + 1]]) {
+      accumulate<PIECE, 2>(s, active + k, head_dim, c0);
+      k += 2;
+    } else {
+      accumulate<PIECE, 1>(s, active + k, head_dim, c0);
+      k += 1;
+    }
   }
-  for (; k < num_active; ++k) accumulate<PIECE, 1>(s, s.active.data() + k, head_dim, c0);
 }
 
 template <typename T>
@@ -187,13 +200,15 @@ template <typename T>
 void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& s) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t head_dim = a.head_dim;
-  const int64_t num_rows = (item.query_end - item.query_begin) * group;
+  const int64_t heads_per_query = item.num_kv_heads * group;  // rows are (query, head), head-minor
+  const int64_t num_rows = (item.query_end - item.query_begin) * heads_per_query;
   const T* q_base = static_cast<const T*>(a.q);
   int64_t item_lo = std::numeric_limits<int64_t>::max();
   int64_t item_hi = 0;
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t token = item.query_begin + r / group;
-    const int64_t head = item.kv_head * group + r % group;
+    const int64_t token = item.query_begin + r / heads_per_query;
+    const int64_t head = item.kv_head * group + r % heads_per_query;
+    s.kv_offset[r] = (head / group - item.kv_head) * head_dim;
     const int64_t position = a.positions[token];
     s.lo[r] = a.sliding_window > 0 ? std::max<int64_t>(0, position - a.sliding_window + 1) : 0;
     s.hi[r] = position + 1;
@@ -209,20 +224,33 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
   const int64_t* table = a.block_tables + item.seq * a.block_table_stride;
   const T* k_pool = static_cast<const T*>(a.k_pool);
   const T* v_pool = static_cast<const T*>(a.v_pool);
-  for (int64_t tile_start = item_lo / kKeyTile * kKeyTile; tile_start < item_hi; tile_start += kKeyTile) {
-    const int64_t tile_end = std::min(tile_start + kKeyTile, item_hi);
-    const int64_t slot_stride = a.num_kv_heads * head_dim;
-    for (int64_t key = std::max(tile_start, item_lo); key < tile_end;) {  // a run of keys per block
+  const int64_t slot_stride = a.num_kv_heads * head_dim;
+  // Calls visit(index in tile, offset of the key's row in the pools) for the keys [first, end) of a tile.
+  const auto for_each_key = [&](int64_t tile_start, int64_t first, int64_t end, auto&& visit) {
+    for (int64_t key = first; key < end;) {  // a run of keys per block
       const int64_t first_slot = key % a.block_size;
-      const int64_t run = std::min(a.block_size - first_slot, tile_end - key);
+      const int64_t run = std::min(a.block_size - first_slot, end - key);
       const int64_t offset = ((table[key / a.block_size] * a.block_size + first_slot) * a.num_kv_heads +
                               item.kv_head) * head_dim;
-      for (int64_t i = 0; i < run; ++i) {
-        s.k_rows[key + i - tile_start] = k_pool + offset + i * slot_stride;
-        s.v_rows[key + i - tile_start] = v_pool + offset + i * slot_stride;
-      }
+      for (int64_t i = 0; i < run; ++i) visit(key + i - tile_start, offset + i * slot_stride);
       key += run;
     }
+  };
+  const int64_t row_bytes = item.num_kv_heads * head_dim * static_cast<int64_t>(sizeof(T));  // per slot
+  for (int64_t tile_start = item_lo / kKeyTile * kKeyTile; tile_start < item_hi; tile_start += kKeyTile) {
+    const int64_t tile_end = std::min(tile_start + kKeyTile, item_hi);
+    for_each_key(tile_start, std::max(tile_start, item_lo), tile_end, [&](int64_t j, int64_t offset) {
+      s.k_rows[j] = k_pool + offset;
+      s.v_rows[j] = v_pool + offset;
+    });
+    // The next tile's K/V rows are fetched into cache while this one is computed.
+    const int64_t next_end = std::min(tile_end + kKeyTile, item_hi);
+    for_each_key(tile_end, tile_end, next_end, [&](int64_t, int64_t offset) {
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_pool + offset) + byte);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_pool + offset) + byte);
+      }
+    });
     int64_t num_active = 0;
     for (int64_t r = 0; r < num_rows; ++r) {
       s.begin[r] = std::max(s.lo[r], tile_start) - tile_start;
@@ -235,8 +263,8 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
   }
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t token = item.query_begin + r / group;
-    const int64_t head = item.kv_head * group + r % group;
+    const int64_t token = item.query_begin + r / heads_per_query;
+    const int64_t head = item.kv_head * group + r % heads_per_query;
     T* row = out + (token * a.num_heads + head) * head_dim;
     const float* acc = s.acc.data() + r * head_dim;
     for (int64_t d = 0; d < head_dim; ++d) row[d] = from_float<T>(acc[d] / s.row_sum[r]);
@@ -249,15 +277,22 @@ template <typename T>
 void paged_attention(const PagedAttentionArgs& a) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t queries_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  int64_t num_decode_rows = 0;
+  for (int64_t seq = 0; seq < a.num_seqs; ++seq) num_decode_rows += a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq] == 1;
+  const int64_t decode_heads = num_decode_rows >= kDecodeRowsPerThread * a.num_threads ? a.num_kv_heads : 1;
   std::vector<WorkItem> items;
   for (int64_t seq = 0; seq < a.num_seqs; ++seq) {
-    for (int64_t begin = a.cu_seqlens_q[seq]; begin < a.cu_seqlens_q[seq + 1]; begin += queries_per_item) {
-      const int64_t end = std::min(begin + queries_per_item, a.cu_seqlens_q[seq + 1]);
-      for (int64_t kv_head = 0; kv_head < a.num_kv_heads; ++kv_head) items.push_back({seq, begin, end, kv_head});
+    const int64_t first = a.cu_seqlens_q[seq], last = a.cu_seqlens_q[seq + 1];
+    const int64_t heads_per_item = last - first == 1 ? decode_heads : 1;
+    for (int64_t begin = first; begin < last; begin += queries_per_item) {
+      const int64_t end = std::min(begin + queries_per_item, last);
+      for (int64_t kv_head = 0; kv_head < a.num_kv_heads; kv_head += heads_per_item) {
+        items.push_back({seq, begin, end, kv_head, heads_per_item});
+      }
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t max_rows = queries_per_item * group;
+  const int64_t max_rows = std::max(queries_per_item * group, decode_heads * group);
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, num_items)))
   {
     Scratch<T> scratch(max_rows, a.head_dim);
