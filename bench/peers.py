@@ -40,6 +40,7 @@ def cache_dir() -> Path:
 
 def _run_logged(command: list[str], log: Path, what: str, **kwargs: Any) -> None:
     print(f"[peers] {what} (log: {log})", flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as out:
         result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, **kwargs)
     if result.returncode != 0:
