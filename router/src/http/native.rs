@@ -65,6 +65,7 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     input.truncate = parameters.truncate;
     input.priority = parameters.priority;
     input.cache_salt = parameters.cache_salt;
+    input.timeout = parameters.timeout;
     if let Some(grammar) = &parameters.grammar {
         input.grammar = guided::from_tgi(grammar)?;
     }
