@@ -13,6 +13,9 @@ use crate::{
     grammar::{CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec},
 };
 
+/// The shortest `timeout` a request may give, in seconds (shorter ones could not even be measured).
+const MIN_TIMEOUT_S: f64 = 1e-3;
+
 /// Most alternatives per position a request may ask logprobs for.
 pub const MAX_TOP_N_TOKENS: u32 = 20;
 
@@ -385,7 +388,12 @@ impl Validator {
             return Err(ValidationError::EmptyStop);
         }
         if let Some(t) = input.timeout {
-            check(t > 0.0 && t <= MAX_TIMEOUT_S, "timeout", "in (0, 1000000] seconds", t)?;
+            check(
+                (MIN_TIMEOUT_S..=MAX_TIMEOUT_S).contains(&t),
+                "timeout",
+                "in [0.001, 1000000] seconds",
+                t,
+            )?;
         }
         // The request's own timeout may shorten --request-timeout, never lengthen it.
         let timeout = input
@@ -539,6 +547,7 @@ mod tests {
                 i.min_new_tokens = 3;
             }),
             Box::new(|i| i.timeout = Some(0.0)),
+            Box::new(|i| i.timeout = Some(5e-324)),
             Box::new(|i| i.timeout = Some(-1.0)),
             Box::new(|i| i.timeout = Some(f64::NAN)),
             Box::new(|i| i.timeout = Some(1e300)),

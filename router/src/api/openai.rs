@@ -130,9 +130,9 @@ pub struct SamplingFields {
     /// vLLM extension: prefix-cache isolation; requests with different salts never share cached blocks.
     pub cache_salt: Option<String>,
     /// Seconds the request may take from arrival to its last token (the OpenAI clients' `timeout`, sent
-    /// as a body field); past it, 504 (or an SSE `error` event). In (0, 1000000]; `--request-timeout`,
+    /// as a body field); past it, 504 (or an SSE `error` event). In [0.001, 1000000]; `--request-timeout`,
     /// when set, is the most it can be.
-    #[schema(exclusive_minimum = 0.0, maximum = 1000000.0)]
+    #[schema(minimum = 0.001, maximum = 1000000.0)]
     pub timeout: Option<f64>,
 }
 

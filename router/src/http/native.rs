@@ -97,7 +97,7 @@ fn top_tokens(state: &AppState, event: &TokenEvent) -> Vec<TopToken> {
 /// Generate text.
 #[utoipa::path(post, path = "/generate", tag = "native", request_body = GenerateRequest,
     responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse),
-              (status = 429, body = ErrorResponse)))]
+              (status = 429, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
 pub async fn generate(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,
@@ -187,7 +187,8 @@ pub async fn generate_stream(
 
 /// TGI's compatibility route: `/generate_stream` when the body says `"stream": true`, else `/generate`.
 #[utoipa::path(post, path = "/", tag = "native", request_body = GenerateRequest,
-    responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse)))]
+    responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse),
+              (status = 504, body = ErrorResponse)))]
 pub async fn compat(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,

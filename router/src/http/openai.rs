@@ -248,7 +248,7 @@ pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Res
               (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
               (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
               (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
-              (status = 503, body = ErrorResponse)))]
+              (status = 503, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
 pub async fn completions(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,
@@ -440,7 +440,7 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
               (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
               (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
               (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
-              (status = 503, body = ErrorResponse)))]
+              (status = 503, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,
