@@ -1,6 +1,7 @@
 //! Where sequences leave other than by finishing: cancelled by their client (gone, or too slow a reader),
-//! expired (in the queue, or past their deadline), or failed with the shards; and the one release path every leaving sequence takes, which returns its
-//! blocks (device and host) and tells the shards to drop its state.
+//! expired (in the queue, or past their deadline), or failed with the shards; and the one release path
+//! every leaving sequence takes, which returns its blocks (device and host) and tells the shards to drop
+//! its state.
 
 use std::time::Instant;
 
