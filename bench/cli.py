@@ -211,11 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_soak_parser(commands: argparse._SubParsersAction) -> None:
     soak = commands.add_parser(
         "soak",
-        help="robustness soak: load beyond capacity, disconnecting clients, malformed requests",
+        help="robustness soak: load beyond capacity, disconnecting clients, malformed requests, "
+        "slow readers, deadlines, idle connections",
         description="Keep --capacity-multiple x the server's max_concurrent_requests (GET /info) requests "
-        "in flight: a share disconnect at random moments, a share are malformed; then check that no KV block "
-        "leaked, the server is healthy and ready, and count outcomes. Exits 1 on any 5xx (other than 503), "
-        "stream or connection error, timeout, leak, or unhealthy server.",
+        "in flight: a share disconnect at random moments, a share are malformed, a share stop reading, "
+        "a share have a short deadline, a share are idle connections; then check that no KV block leaked, "
+        "the server is healthy and ready, and count outcomes. Exits 1 on any 5xx (other than 503, and 504 "
+        "for a deadline), stream or connection error, timeout, leak, or unhealthy server.",
     )
     soak.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL (default: %(default)s)")
     soak.add_argument(
@@ -251,6 +253,42 @@ def _add_soak_parser(commands: argparse._SubParsersAction) -> None:
         help="share of malformed requests: bad JSON, bad fields (default: %(default)s)",
     )
     soak.add_argument(
+        "--slow-reader-share",
+        type=float,
+        default=0.0,
+        help="share of long streams whose client stops reading; the server should cut them off "
+        "(default: %(default)s)",
+    )
+    soak.add_argument(
+        "--slow-reader-hold-s",
+        type=float,
+        default=10.0,
+        help="a slow reader reads nothing for this long, then reads what is left (default: %(default)s)",
+    )
+    soak.add_argument(
+        "--deadline-share",
+        type=float,
+        default=0.0,
+        help="share of long requests with a short `timeout`, expecting 504 or an SSE error event "
+        "(default: %(default)s)",
+    )
+    soak.add_argument(
+        "--deadline-s", type=float, default=0.2, help="the `timeout` of those requests (default: %(default)s)"
+    )
+    soak.add_argument(
+        "--idle-connection-share",
+        type=float,
+        default=0.0,
+        help="share of connections that send nothing, held until the server closes them "
+        "(default: %(default)s)",
+    )
+    soak.add_argument(
+        "--idle-connection-max-s",
+        type=float,
+        default=15.0,
+        help="an idle connection the server has not closed is dropped after this long (default: %(default)s)",
+    )
+    soak.add_argument(
         "--duration", type=float, help="seconds after which no new request starts (default: no bound)"
     )
     soak.add_argument(
@@ -281,6 +319,12 @@ def cmd_soak(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         max_tokens=args.max_tokens,
         disconnect_max_s=args.disconnect_max_s,
+        slow_reader_share=args.slow_reader_share,
+        slow_reader_hold_s=args.slow_reader_hold_s,
+        deadline_share=args.deadline_share,
+        deadline_s=args.deadline_s,
+        idle_connection_share=args.idle_connection_share,
+        idle_connection_max_s=args.idle_connection_max_s,
         timeout_s=args.timeout,
         seed=args.seed,
     )
@@ -288,7 +332,9 @@ def cmd_soak(args: argparse.Namespace) -> int:
     result = asyncio.run(run_soak(target, config, is_progress_shown=not args.no_progress))
     title = (
         f"soak {args.url} ({args.api}): {args.num_requests} at {args.capacity_multiple:g}x capacity, "
-        f"{args.disconnect_share:.0%} disconnecting, {args.malformed_share:.0%} malformed, seed {args.seed}"
+        f"{args.disconnect_share:.0%} disconnecting, {args.malformed_share:.0%} malformed, "
+        f"{args.slow_reader_share:.0%} slow readers, {args.deadline_share:.0%} deadlines, "
+        f"{args.idle_connection_share:.0%} idle connections, seed {args.seed}"
     )
     print(format_soak(title, result))
     if args.json:

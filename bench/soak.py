@@ -9,14 +9,22 @@ passed. Each request is, by a seeded draw:
 - **disconnecting** (`--disconnect-share`): a normal streaming request that the client drops after a seeded
   random delay in [0, `--disconnect-max-s`] (before the answer's first byte, or mid-stream); the server must
   cancel it and free its KV blocks;
+- **slow reader** (`--slow-reader-share`): a long streaming request from a socket with a small receive
+  buffer that reads nothing for `--slow-reader-hold-s`, then reads what is left: the server should have cut
+  it off (`--max-unread-tokens`; an SSE `error` event naming it) without slowing anyone else;
+- **deadline** (`--deadline-share`): a long request with a `timeout` of `--deadline-s` seconds, streaming or
+  not (a seeded draw): it must end with a 504 or an SSE `error` event naming the deadline (or finish first);
+- **idle connection** (`--idle-connection-share`): a connection that sends nothing, held until the server
+  closes it (`--header-read-timeout`) or `--idle-connection-max-s` passes;
 - **normal**: a streaming `POST /generate_stream` (or `/v1/completions` with `--api openai`) with a short
   random prompt and `--max-tokens` output tokens, read to its end with the bench's own client.
 
 Then it waits for the server to go idle and reports: outcomes by class (ok, each 4xx status, 429, 503,
-other 5xx, stream errors, timeouts, connection errors, disconnected by us), KV blocks still held
-(`kv.used_blocks` of `/info`: a leak), `/health` and `/ready`, and the delta of
-`rill_requests_total{outcome="cancelled"}` against the disconnects it made. It exits 1 on any 5xx other than
-503, any stream or connection error or timeout, a leaked block, or an unhealthy server afterwards.
+other 5xx, stream errors, timeouts, connection errors, disconnected by us, slow readers cut off, deadlines,
+idle connections), KV blocks still held (`kv.used_blocks` of `/info`: a leak), `/health` and `/ready`, and
+the server's `rill_requests_total` and `rill_slow_readers_total` deltas against the faults it made. It exits 1
+on any 5xx other than the documented ones (503; 504 for a deadline), any stream or connection error or
+timeout, a leaked block, or an unhealthy server afterwards.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ import asyncio
 import json
 import random
 import re
+import socket
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -53,15 +63,32 @@ class SoakConfig:
     max_tokens: int = 16
     prompt_words: tuple[int, int] = (4, 24)
     disconnect_max_s: float = 0.5
+    slow_reader_share: float = 0.0
+    slow_reader_hold_s: float = 10.0
+    deadline_share: float = 0.0
+    deadline_s: float = 0.2
+    idle_connection_share: float = 0.0
+    idle_connection_max_s: float = 15.0
     timeout_s: float = 120.0
     idle_timeout_s: float = 120.0
     seed: int = 0
 
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """The shares of the fault kinds, in the order `_Soak.one` draws them."""
+        return (
+            self.malformed_share,
+            self.disconnect_share,
+            self.slow_reader_share,
+            self.deadline_share,
+            self.idle_connection_share,
+        )
+
     def __post_init__(self) -> None:
-        if not 0 <= self.disconnect_share <= 1 or not 0 <= self.malformed_share <= 1:
-            raise ValueError("--disconnect-share and --malformed-share must be in [0, 1]")
-        if self.disconnect_share + self.malformed_share > 1:
-            raise ValueError("--disconnect-share + --malformed-share must be at most 1")
+        if not all(0 <= share <= 1 for share in self.shares) or sum(self.shares) > 1:
+            raise ValueError("the --*-share flags must be in [0, 1], and add up to at most 1")
+        if self.deadline_s <= 0:
+            raise ValueError("--deadline-s must be > 0")
         if self.capacity_multiple <= 0 or self.num_requests < 1:
             raise ValueError("--capacity-multiple must be > 0 and --num-requests >= 1")
 
@@ -81,6 +108,8 @@ class SoakResult:
     """Requests we really dropped before their stream ended."""
     cancelled_delta: int | None
     """Change of rill_requests_total{outcome="cancelled"}; None when /metrics has no such counter."""
+    slow_readers_delta: int | None
+    """Change of rill_slow_readers_total; None when /metrics has no such counter."""
     server_outcomes_delta: dict[str, int]
     leaked_kv_blocks: int | None
     """`kv.used_blocks` once idle; None when the server never went idle or has no /info."""
@@ -132,7 +161,8 @@ def malformed_request(rng: random.Random) -> tuple[str, bytes, str]:
 def _status_class(status: int) -> str:
     if status == 200:
         return "ok"
-    if status in (429, 503) or 400 <= status < 500:
+    # 503: overloaded or shutting down; 504: a request's deadline passed. Both are documented answers.
+    if status in (429, 503, 504) or 400 <= status < 500:
         return str(status)
     return "5xx" if status >= 500 else f"http-{status}"
 
@@ -152,11 +182,12 @@ class _Soak:
         self.drop_http = aiohttp.ClientSession(
             timeout=http.timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)
         )
-        # Dropped requests ask for as many tokens as fit (up to 256), so the drop comes before their end.
+        # Dropped requests (and deadlines) ask for as many tokens as fit (up to 256), so the drop comes before
+        # their end; slow readers for up to 1,000, to outlast the socket buffers and --max-unread-tokens.
         max_prompt_tokens = 2 * config.prompt_words[1] + 8
-        self.disconnect_max_tokens = max(
-            config.max_tokens, min(256, int(info.get("max_total_tokens", 0)) - max_prompt_tokens)
-        )
+        room = int(info.get("max_total_tokens", 0)) - max_prompt_tokens
+        self.disconnect_max_tokens = max(config.max_tokens, min(256, room))
+        self.slow_reader_max_tokens = max(config.max_tokens, min(1000, room))
         self.api = make_api(target)
         self.text = TextSource()
         self.outcomes: Counter[str] = Counter()
@@ -220,6 +251,102 @@ class _Soak:
             if response is not None:
                 response.close()  # drops the connection: the server sees the client go
 
+    async def slow_reader(self, index: int, rng: random.Random) -> None:
+        """Sends a long stream from a socket with a small receive buffer, reads nothing for a while, then
+        reads the rest: it should end with the server's `--max-unread-tokens` error event."""
+        spec = replace(self._spec(index, rng), max_tokens=self.slow_reader_max_tokens)
+        payload = json.dumps(self.api.body(spec)).encode()
+        host, port = _host_port(self.target.url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        writer = None
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+            # A small stream buffer too: asyncio stops reading the socket once 2 KiB wait unread.
+            reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+            head = (
+                f"POST {self.api.path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + payload)
+            await writer.drain()
+            await asyncio.sleep(self.config.slow_reader_hold_s)
+            answer = b""
+            while chunk := await asyncio.wait_for(reader.read(1 << 16), self.config.timeout_s):
+                answer += chunk
+            status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+            if status != 200:
+                self._note(_status_class(status), f"slow reader {index}: {answer[:200]!r}")
+            elif b"--max-unread-tokens" in answer:
+                self._note("slow-reader-cut", "")
+            elif re.search(rb'"details": ?\{', answer) or b"data: [DONE]" in answer:
+                self._note("ok", "")  # it ended before the server had to cut it off
+            else:
+                self._note("stream-error", f"slow reader {index}: {answer[-200:]!r}")
+        except asyncio.TimeoutError:
+            self._note("timeout", f"slow reader {index}")
+        except OSError as error:
+            self._note("connection", f"slow reader {index}: {type(error).__name__}: {error}")
+        finally:
+            if writer is not None:
+                writer.close()
+            else:
+                sock.close()
+
+    async def deadline(self, index: int, rng: random.Random) -> None:
+        """A long request with a short `timeout`, streaming or not: a 504, or an SSE `error` event naming
+        the deadline (or its output, should it finish first)."""
+        spec = replace(self._spec(index, rng), max_tokens=self.disconnect_max_tokens)
+        body = self.api.body(spec)
+        is_stream = rng.random() < 0.5
+        path = self.api.path
+        if self.target.api == "native":
+            body["parameters"]["timeout"] = self.config.deadline_s
+            path = path if is_stream else "/generate"
+        else:
+            body["timeout"] = self.config.deadline_s
+            body["stream"] = is_stream
+            if not is_stream:
+                del body["stream_options"]
+        try:
+            async with self.http.post(self.target.url.rstrip("/") + path, json=body) as response:
+                if response.status != 200 or not is_stream:
+                    await response.read()
+                    self._note(_status_class(response.status), f"deadline request {index}: {response.status}")
+                    return
+                async for event_name, data in sse_events(response):
+                    event = self.api.parse(event_name, data)
+                    if event.error is not None:
+                        self._note("deadline" if "deadline" in event.error else "stream-error", event.error)
+                        return
+                    if event.is_last:
+                        self._note("ok", "")
+                        return
+                self._note("stream-error", f"deadline request {index}: the stream ended early")
+        except asyncio.TimeoutError:
+            self._note("timeout", f"deadline request {index}")
+        except aiohttp.ClientError as error:
+            self._note("connection", f"{type(error).__name__}: {error}")
+
+    async def idle_connection(self) -> None:
+        """Connects and sends nothing, until the server closes the connection or the hold time passes."""
+        host, port = _host_port(self.target.url)
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError as error:
+            self._note("connection", f"idle connection: {type(error).__name__}: {error}")
+            return
+        try:
+            await asyncio.wait_for(reader.read(), self.config.idle_connection_max_s)
+            self._note("idle-closed", "")
+        except asyncio.TimeoutError:
+            self._note("idle-open", "")
+        except OSError:
+            self._note("idle-closed", "")  # reset by the server
+        finally:
+            writer.close()
+
     async def malformed(self, rng: random.Random) -> None:
         route, body, content_type = malformed_request(rng)
         url = self.target.url.rstrip("/") + route
@@ -241,12 +368,25 @@ class _Soak:
     async def one(self, index: int) -> None:
         rng = random.Random(self.config.seed * 1_000_003 + index)
         draw = rng.random()
-        if draw < self.config.malformed_share:
-            await self.malformed(rng)
-        elif draw < self.config.malformed_share + self.config.disconnect_share:
-            await self.disconnecting(index, rng)
-        else:
-            await self.normal(index, rng)
+        kinds = (
+            lambda: self.malformed(rng),
+            lambda: self.disconnecting(index, rng),
+            lambda: self.slow_reader(index, rng),
+            lambda: self.deadline(index, rng),
+            self.idle_connection,
+        )
+        bound = 0.0
+        for share, kind in zip(self.config.shares, kinds, strict=True):
+            bound += share
+            if draw < bound:
+                await kind()
+                return
+        await self.normal(index, rng)
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
 
 
 def _is_json(payload: bytes) -> bool:
@@ -266,7 +406,9 @@ async def _get(http: aiohttp.ClientSession, url: str) -> tuple[int | None, str]:
 
 
 def _server_outcomes(metrics_text: str) -> Counter[str]:
+    """`rill_requests_total` by outcome, and `rill_slow_readers_total` as "slow_readers"."""
     found = re.findall(r'^rill_requests_total\{outcome="(\w+)"\} (\S+)$', metrics_text, re.MULTILINE)
+    found += re.findall(r"^rill_(slow_readers)_total (\S+)$", metrics_text, re.MULTILINE)
     return Counter({outcome: int(float(value)) for outcome, value in found})
 
 
@@ -321,6 +463,8 @@ async def run_soak(target: Target, config: SoakConfig, is_progress_shown: bool =
         metrics_after_status, metrics_after = await _get(http, url + "/metrics")
         has_metrics = metrics_after_status == 200 and "rill_requests_total" in metrics_after
         server_delta = _server_outcomes(metrics_after) - metrics_before if has_metrics else Counter()
+        has_slow_readers = "rill_slow_readers_total" in metrics_after
+        slow_readers_delta = server_delta.pop("slow_readers", 0) if has_slow_readers else None
         health_status, _ = await _get(http, url + "/health")
         ready_status, _ = await _get(http, url + "/ready")
     return SoakResult(
@@ -332,6 +476,7 @@ async def run_soak(target: Target, config: SoakConfig, is_progress_shown: bool =
         num_disconnects_sent=soak.num_disconnects_sent,
         num_disconnected=soak.outcomes["disconnected"],
         cancelled_delta=server_delta["cancelled"] if has_metrics else None,
+        slow_readers_delta=slow_readers_delta,
         server_outcomes_delta=dict(sorted(server_delta.items())),
         leaked_kv_blocks=None if kv is None else int(kv.get("used_blocks", 0)),
         kv_after=kv,
@@ -355,6 +500,8 @@ def format_soak(title: str, result: SoakResult) -> str:
         "connection errors)",
         f"  {'disconnects':<22}{result.num_disconnects_sent} drawn, {result.num_disconnected} dropped before "
         f"their end; server counted cancelled {result.cancelled_delta}",
+        f"  {'slow readers':<22}{result.outcomes.get('slow-reader-cut', 0)} saw the cut-off; server counted "
+        f"{result.slow_readers_delta}",
         f"  {'server outcomes':<22}{server}",
         f"  {'leaked KV blocks':<22}{leaked}  (kv after: {result.kv_after})",
         f"  {'health / ready':<22}{result.health_status} / {result.ready_status}",

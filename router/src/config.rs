@@ -105,9 +105,15 @@ pub struct Args {
     #[arg(long, env = "RILL_FORWARD_TIMEOUT")]
     pub forward_timeout: Option<f64>,
     /// Seconds a request may take from arrival to its last token, queueing included; one that runs past it
-    /// ends with 504 (non-streaming) or an SSE `error` event, and its KV blocks are freed. Unset: no limit.
+    /// ends with 504 (non-streaming) or an SSE `error` event, and its KV blocks are freed. A request's own
+    /// `timeout` field may only shorten it. Unset: no limit.
     #[arg(long, env = "RILL_REQUEST_TIMEOUT")]
     pub request_timeout: Option<f64>,
+    /// Most token events a client may leave unread (produced, not yet taken by its HTTP connection); a
+    /// client further behind is cut off: its request is cancelled and its KV blocks freed, so a reader that
+    /// stalls never holds memory or slows the engine.
+    #[arg(long, env = "RILL_MAX_UNREAD_TOKENS", default_value_t = 1024)]
+    pub max_unread_tokens: usize,
     /// Require `Authorization: Bearer <key>` on the generation and tokenization routes (health, readiness
     /// and metrics stay open). Read from the environment so the key never shows in a process list.
     #[arg(long, env = "RILL_API_KEY", hide_env_values = true)]
@@ -201,7 +207,14 @@ pub struct LimitsConfig {
     pub max_stop_sequences: u32,
     pub max_concurrent_requests: u32,
     pub max_waiting_requests: u32,
+    /// `--request-timeout`: the longest a request may take from arrival to its last token; None = no limit.
+    pub request_timeout: Option<Duration>,
+    /// `--max-unread-tokens`: token events a client may leave unread before it is cut off.
+    pub max_unread_tokens: usize,
 }
+
+/// The longest deadline accepted, in seconds (`--request-timeout`, a request's `timeout`): about 11 days.
+pub const MAX_TIMEOUT_S: f64 = 1e6;
 
 /// Per-iteration budgets and batching policy given to the engine.
 #[derive(Debug, Clone)]
@@ -240,8 +253,6 @@ pub struct Config {
     pub connections: ConnectionConfig,
     /// `--forward-timeout`; None = derived from the measured step time.
     pub forward_timeout: Option<Duration>,
-    /// `--request-timeout`; None = no limit.
-    pub request_timeout: Option<Duration>,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     /// Origins allowed by CORS (`--cors-allow-origin`); `*` means any; empty means CORS off.
@@ -265,14 +276,15 @@ impl Config {
         anyhow::ensure!(args.max_batch_tokens > 0, "--max-batch-tokens must be positive");
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
         anyhow::ensure!(args.max_connections > 0, "--max-connections must be positive");
+        anyhow::ensure!(args.max_unread_tokens > 0, "--max-unread-tokens must be positive");
         anyhow::ensure!(
             args.forward_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
             "--forward-timeout must be a positive number of seconds, got {:?}",
             args.forward_timeout
         );
         anyhow::ensure!(
-            args.request_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
-            "--request-timeout must be a positive number of seconds, got {:?}",
+            args.request_timeout.is_none_or(|s| s > 0.0 && s <= MAX_TIMEOUT_S),
+            "--request-timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S}, got {:?}",
             args.request_timeout
         );
         anyhow::ensure!(
@@ -306,7 +318,6 @@ impl Config {
                 max_connections: args.max_connections,
             },
             forward_timeout: args.forward_timeout.map(Duration::from_secs_f64),
-            request_timeout: args.request_timeout.map(Duration::from_secs_f64),
             api_key: args.api_key.filter(|key| !key.is_empty()),
             max_body_bytes: args.max_body_bytes,
             cors_allow_origins: args.cors_allow_origins,
@@ -317,6 +328,8 @@ impl Config {
                 max_stop_sequences: args.max_stop_sequences,
                 max_concurrent_requests: args.max_concurrent_requests,
                 max_waiting_requests: args.max_waiting_requests,
+                request_timeout: args.request_timeout.map(Duration::from_secs_f64),
+                max_unread_tokens: args.max_unread_tokens,
             },
             batch: BatchConfig {
                 max_batch_tokens: args.max_batch_tokens,

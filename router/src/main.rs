@@ -128,7 +128,7 @@ async fn main() -> anyhow::Result<()> {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 422");
     }
     let state = http::AppState {
-        engine: EngineHandle::new(inbox_tx, shards, metrics),
+        engine: EngineHandle::new(inbox_tx, shards, metrics, config.limits.max_unread_tokens),
         validator: Validator::new(tokenizer, config.limits.clone(), shard_info.vocab_size, max_kv_tokens)
             .with_grammar(grammar),
         admission: Arc::new(Semaphore::new(config.limits.max_concurrent_requests as usize)),
@@ -152,7 +152,6 @@ async fn main() -> anyhow::Result<()> {
             swap_pool_bytes: u64::from(warmup.num_host_blocks) * warmup.bytes_per_block,
             swap_pool_reason: warmup.swap_pool_reason.clone(),
         },
-        request_timeout: config.request_timeout,
         limits: config.limits.clone(),
         batch: config.batch.clone(),
     };

@@ -16,8 +16,10 @@ pub enum Outcome {
     Invalid,
     /// Rejected because the server was full (429).
     Overloaded,
-    /// The client went away first.
+    /// The client went away first, or was cut off for reading too slowly (`--max-unread-tokens`).
     Cancelled,
+    /// Ran past its deadline (`timeout`, `--request-timeout`): 504, or an SSE `error` event.
+    Timeout,
     /// Failed inside the server (shard error).
     Failed,
 }
@@ -29,6 +31,7 @@ impl Outcome {
             Outcome::Invalid => "invalid",
             Outcome::Overloaded => "overloaded",
             Outcome::Cancelled => "cancelled",
+            Outcome::Timeout => "timeout",
             Outcome::Failed => "failed",
         }
     }
@@ -59,6 +62,9 @@ pub struct Metrics {
     pub swap_blocks_total: IntGauge,
     pub swap_blocks_free: IntGauge,
     pub cancelled_tokens: IntCounter,
+    /// Requests cut off because their client left more than `--max-unread-tokens` events unread (also
+    /// counted as `cancelled`).
+    pub slow_readers: IntCounter,
     /// Seconds of model forward reported by the shards; against `step_duration`'s sum it gives the share
     /// of each step spent outside the model (planning, gRPC, batch preparation, sampling).
     pub model_forward_seconds: Counter,
@@ -212,6 +218,11 @@ impl Metrics {
                 &registry,
                 "rill_cancelled_tokens_total",
                 "Tokens (prompt + generated) held by requests when they were cancelled",
+            ),
+            slow_readers: counter(
+                &registry,
+                "rill_slow_readers_total",
+                "Requests cancelled because their client fell more than --max-unread-tokens events behind",
             ),
             model_forward_seconds: float_counter(
                 &registry,

@@ -3,15 +3,18 @@
 //! filled). Downstream code takes only `ValidRequest`, so nothing unchecked reaches the engine.
 //! Messages name the field and the bound.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use thiserror::Error;
 use tokenizers::Tokenizer;
 
 use crate::{
-    config::LimitsConfig,
+    config::{LimitsConfig, MAX_TIMEOUT_S},
     grammar::{CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec},
 };
+
+/// The shortest `timeout` a request may give, in seconds (shorter ones could not even be measured).
+const MIN_TIMEOUT_S: f64 = 1e-3;
 
 /// Most alternatives per position a request may ask logprobs for.
 pub const MAX_TOP_N_TOKENS: u32 = 20;
@@ -108,6 +111,8 @@ pub struct GenerateInput {
     pub cache_salt: Option<String>,
     /// The language the output must belong to, and the API field that gave it (for errors).
     pub grammar: Option<(GrammarSpec, &'static str)>,
+    /// Seconds the request may take from arrival to its last token (`timeout`).
+    pub timeout: Option<f64>,
 }
 
 impl GenerateInput {
@@ -139,6 +144,7 @@ impl GenerateInput {
             priority: 0,
             cache_salt: None,
             grammar: None,
+            timeout: None,
         }
     }
 }
@@ -186,6 +192,9 @@ pub struct ValidRequest {
     pub cache_salt: u64,
     /// The grammar the output must follow (constrained decoding), compiled.
     pub grammar: Option<CompiledGrammar>,
+    /// How long the request may take from arrival to its last token: the shorter of its own `timeout`
+    /// and `--request-timeout`; None = no limit.
+    pub timeout: Option<Duration>,
 }
 
 /// Checks requests against the limits, the vocabulary and the KV pool size; tokenizes off the runtime.
@@ -378,6 +387,21 @@ impl Validator {
         if input.stop.iter().any(String::is_empty) {
             return Err(ValidationError::EmptyStop);
         }
+        if let Some(t) = input.timeout {
+            check(
+                (MIN_TIMEOUT_S..=MAX_TIMEOUT_S).contains(&t),
+                "timeout",
+                "in [0.001, 1000000] seconds",
+                t,
+            )?;
+        }
+        // The request's own timeout may shorten --request-timeout, never lengthen it.
+        let timeout = input
+            .timeout
+            .map(Duration::from_secs_f64)
+            .into_iter()
+            .chain(limits.request_timeout)
+            .min();
         // As in TGI, any sampling setting implies sampling; temperature 0 means greedy, as in OpenAI's API.
         let temperature = input.temperature.unwrap_or(1.0);
         let do_sample = temperature > 0.0
@@ -412,6 +436,7 @@ impl Validator {
             priority: input.priority,
             cache_salt: input.cache_salt.as_deref().map_or(0, salt_namespace),
             grammar: None,
+            timeout,
         })
     }
 }
@@ -436,6 +461,8 @@ mod tests {
             max_stop_sequences: 2,
             max_concurrent_requests: 4,
             max_waiting_requests: 4,
+            request_timeout: Some(Duration::from_secs(60)),
+            max_unread_tokens: 8,
         };
         Validator::new(Arc::new(tokenizer), limits, 100, 16)
     }
@@ -519,6 +546,11 @@ mod tests {
                 i.max_new_tokens = Some(2);
                 i.min_new_tokens = 3;
             }),
+            Box::new(|i| i.timeout = Some(0.0)),
+            Box::new(|i| i.timeout = Some(5e-324)),
+            Box::new(|i| i.timeout = Some(-1.0)),
+            Box::new(|i| i.timeout = Some(f64::NAN)),
+            Box::new(|i| i.timeout = Some(1e300)),
         ];
         for (k, edit) in bad.iter().enumerate() {
             let mut one = input(|_| {});
@@ -529,5 +561,14 @@ mod tests {
         assert!(sampled.sampling.do_sample);
         let greedy = check_input(2, input(|i| i.temperature = Some(0.0))).expect("valid");
         assert!(!greedy.sampling.do_sample);
+    }
+
+    #[test]
+    fn the_shorter_timeout_wins() {
+        let timeout = |own: Option<f64>| check_input(2, input(|i| i.timeout = own)).expect("valid").timeout;
+        // The validator's --request-timeout is 60 s.
+        assert_eq!(timeout(None), Some(Duration::from_secs(60)));
+        assert_eq!(timeout(Some(1.5)), Some(Duration::from_millis(1500)));
+        assert_eq!(timeout(Some(600.0)), Some(Duration::from_secs(60)));
     }
 }

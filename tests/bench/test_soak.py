@@ -50,6 +50,26 @@ def test_soak_fails_on_a_leak_or_a_5xx(fake_server: StartFake, capsys: pytest.Ca
     assert "5xx 1" in out and "verdict               FAIL" in out
 
 
+def test_soak_mixes_in_slow_readers_deadlines_and_idle_connections(
+    fake_server: StartFake, tmp_path: Path
+) -> None:
+    """The fake ignores `timeout` and never cuts a reader off or closes an idle connection: each fault
+    kind ends as a request the fake served, or an idle connection the soak gave up on."""
+    server = fake_server(ttft_s=0.01, itl_s=0.01)
+    argv = soak_argv(server, "--malformed-share", "0", "--disconnect-share", "0",
+                     "--slow-reader-share", "0.2", "--slow-reader-hold-s", "0.05",
+                     "--deadline-share", "0.2", "--idle-connection-share", "0.2",
+                     "--idle-connection-max-s", "0.05", "--json", str(tmp_path / "soak.json"))  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "soak.json").read_text())["result"]
+    outcomes = result["outcomes"]
+    assert sum(outcomes.values()) == 60 and outcomes["idle-open"] > 0 and outcomes["ok"] > 0, outcomes
+    deadlines = [body for body in server.bodies if "timeout" in body.get("parameters", {})]
+    assert deadlines and all(body["parameters"]["timeout"] == 0.2 for body in deadlines)
+    # Every streamed request (normal, slow reader, streaming deadline) was read to its end.
+    assert len(server.bodies) == outcomes["ok"], (len(server.bodies), outcomes)
+
+
 def test_malformed_requests_are_seeded_and_varied() -> None:
     draws = [malformed_request(random.Random(seed)) for seed in range(200)]
     assert draws == [malformed_request(random.Random(seed)) for seed in range(200)]
@@ -66,6 +86,9 @@ def test_soak_help_lists_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
         "--num-requests",
         "--disconnect-share",
         "--malformed-share",
+        "--slow-reader-share",
+        "--deadline-share",
+        "--idle-connection-share",
         "--duration",
     ):
         assert flag in out, flag

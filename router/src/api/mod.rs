@@ -64,6 +64,10 @@ pub struct GenerateParameters {
     pub priority: i32,
     /// Prefix-cache isolation: requests with different salts never share cached KV blocks.
     pub cache_salt: Option<String>,
+    /// Seconds the request may take from arrival to its last token; past it, 504 (or an SSE `error`
+    /// event). In [0.001, 1000000]; `--request-timeout`, when set, is the most it can be.
+    #[schema(minimum = 0.001, maximum = 1000000.0)]
+    pub timeout: Option<f64>,
     /// Not implemented: accepted when null or 1.
     pub best_of: Option<u32>,
     /// Not implemented: accepted when false.

@@ -129,6 +129,11 @@ pub struct SamplingFields {
     pub priority: Option<i32>,
     /// vLLM extension: prefix-cache isolation; requests with different salts never share cached blocks.
     pub cache_salt: Option<String>,
+    /// Seconds the request may take from arrival to its last token (the OpenAI clients' `timeout`, sent
+    /// as a body field); past it, 504 (or an SSE `error` event). In [0.001, 1000000]; `--request-timeout`,
+    /// when set, is the most it can be.
+    #[schema(minimum = 0.001, maximum = 1000000.0)]
+    pub timeout: Option<f64>,
 }
 
 /// `POST /v1/completions`.

@@ -1,7 +1,7 @@
-//! The iteration loop. Each step: take new requests, drop cancelled ones, ask the scheduler for a plan
-//! (`plan.rs` gathers what it sees and applies what it decides to the KV pool), run one forward pass on
-//! the shards (the only `.await` on the hot path), then apply the sampled tokens (`outputs.rs`). The loop
-//! decides nothing itself: every choice of the step is in the scheduler's `StepPlan`.
+//! The iteration loop. Each step: take new requests, drop cancelled and expired ones, ask the scheduler
+//! for a plan (`plan.rs` gathers what it sees and applies what it decides to the KV pool), run one forward
+//! pass on the shards (the only `.await` on the hot path), then apply the sampled tokens (`outputs.rs`).
+//! The loop decides nothing itself: every choice of the step is in the scheduler's `StepPlan`.
 
 use std::{
     collections::{HashSet, VecDeque},
@@ -114,6 +114,7 @@ impl EngineCore {
             }
             self.drop_cancelled();
             self.expire_waiting();
+            self.expire_deadlines();
             if self.is_idle() {
                 self.publish_stats();
                 continue;

@@ -16,9 +16,12 @@ mod release;
 mod request;
 mod watch;
 
-use std::sync::{
-    atomic::{AtomicU64, Ordering},
-    Arc,
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Instant,
 };
 
 use serde::Serialize;
@@ -55,8 +58,10 @@ pub enum EngineError {
     Stopped,
     #[error("the request waited {0} s in the queue, more than --max-queue-time")]
     QueueTimeout(u64),
-    #[error("the request ran past its {0} s deadline (--request-timeout)")]
+    #[error("the request ran past its {0} s deadline (`timeout` or --request-timeout)")]
     Deadline(f64),
+    #[error("the client fell more than {0} tokens behind the stream (--max-unread-tokens); cancelled")]
+    SlowReader(usize),
 }
 
 /// One generated token and the text it released.
@@ -85,8 +90,11 @@ pub struct EndEvent {
     pub num_cached_tokens: u32,
 }
 
-pub type EventSender = mpsc::UnboundedSender<Result<TokenEvent, EngineError>>;
-pub type EventReceiver = mpsc::UnboundedReceiver<Result<TokenEvent, EngineError>>;
+/// A request's events, bounded: `--max-unread-tokens` token events plus one slot kept for the error that
+/// ends the request. The engine only ever `try_send`s: a client that does not keep up is cut off, never
+/// waited for (`Sequence::send_token`).
+pub type EventSender = mpsc::Sender<Result<TokenEvent, EngineError>>;
+pub type EventReceiver = mpsc::Receiver<Result<TokenEvent, EngineError>>;
 
 /// A validated request on its way into the engine.
 pub struct NewRequest {
@@ -102,6 +110,8 @@ pub struct NewRequest {
     pub tag: String,
     /// The HTTP request's `request` span, which step spans link to (disabled when not tracing).
     pub span: tracing::Span,
+    /// When the request expires (`ValidRequest::timeout` after it was submitted); None = never.
+    pub deadline: Option<Instant>,
 }
 
 /// The handlers' side of the engine: cheap to clone.
@@ -112,15 +122,23 @@ pub struct EngineHandle {
     /// For health checks only; the engine task alone drives the shards.
     shards: Arc<dyn ShardClient>,
     pub metrics: Arc<Metrics>,
+    /// `--max-unread-tokens`: the token events each request's channel holds.
+    max_unread_tokens: usize,
 }
 
 impl EngineHandle {
-    pub fn new(inbox: mpsc::UnboundedSender<NewRequest>, shards: Arc<dyn ShardClient>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        inbox: mpsc::UnboundedSender<NewRequest>,
+        shards: Arc<dyn ShardClient>,
+        metrics: Arc<Metrics>,
+        max_unread_tokens: usize,
+    ) -> Self {
         Self {
             inbox,
             next_id: Arc::new(AtomicU64::new(1)),
             shards,
             metrics,
+            max_unread_tokens,
         }
     }
 
@@ -147,7 +165,8 @@ impl EngineHandle {
     /// Queues `n` choices of the same prompt; choice i samples with seed `seed + i`. Call it in the HTTP
     /// request's span: the engine links its work to the current span. The prompt is
     /// computed once and its KV blocks shared. Dropping a receiver cancels that choice: the engine
-    /// notices within one iteration, tells the shards, and frees its blocks.
+    /// notices within one iteration, tells the shards, and frees its blocks; so does reading too slowly
+    /// (see `EventSender`) or running past `request.timeout`.
     pub fn submit_n(
         &self,
         request: ValidRequest,
@@ -156,9 +175,10 @@ impl EngineHandle {
         tag: String,
     ) -> Result<Vec<EventReceiver>, EngineError> {
         let mut receivers = Vec::with_capacity(n as usize);
+        let deadline = request.timeout.map(|timeout| Instant::now() + timeout);
         let mut choices: Vec<NewRequest> = (0..n.max(1))
             .map(|i| {
-                let (events, receiver) = mpsc::unbounded_channel();
+                let (events, receiver) = mpsc::channel(self.max_unread_tokens + 1);
                 receivers.push(receiver);
                 let mut request = request.clone();
                 request.sampling.seed = request.sampling.seed.wrapping_add(u64::from(i));
@@ -170,6 +190,7 @@ impl EngineHandle {
                     waiting_permit: None,
                     tag: if n > 1 { format!("{tag}/{i}") } else { tag.clone() },
                     span: tracing::Span::current(),
+                    deadline,
                 }
             })
             .collect();

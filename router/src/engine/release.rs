@@ -1,6 +1,7 @@
-//! Where sequences leave other than by finishing: cancelled by their client, expired in the queue, or
-//! failed with the shards; and the one release path every leaving sequence takes, which returns its
-//! blocks (device and host) and tells the shards to drop its state.
+//! Where sequences leave other than by finishing: cancelled by their client (gone, or too slow a reader),
+//! expired (in the queue, or past their deadline), or failed with the shards; and the one release path
+//! every leaving sequence takes, which returns its blocks (device and host) and tells the shards to drop
+//! its state.
 
 use std::time::Instant;
 
@@ -8,36 +9,33 @@ use super::{request::Sequence, EngineCore, EngineError};
 use crate::{kv::CacheActivity, metrics::Outcome};
 
 impl EngineCore {
-    /// Cancels sequences whose clients have gone, wherever they are. Choices waiting on a cancelled
-    /// sequence's prompt are not lost: the first of them takes its place in the waiting queue.
+    /// Removes and returns the sequences that match `pred`, wherever they are (waiting, running, swapped).
+    fn take_where(&mut self, pred: impl Fn(&Sequence) -> bool) -> Vec<Sequence> {
+        let mut taken: Vec<Sequence> = self.running.extract_if(.., |seq| pred(seq)).collect();
+        for queue in [&mut self.waiting, &mut self.swapped] {
+            let mut i = 0;
+            while i < queue.len() {
+                if pred(&queue[i]) {
+                    taken.push(queue.remove(i).expect("index in range"));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        taken
+    }
+
+    /// Cancels sequences whose clients have gone or were cut off for reading too slowly, wherever they
+    /// are. Choices waiting on a cancelled sequence's prompt are not lost: the first of them takes its
+    /// place in the waiting queue.
     pub(super) fn drop_cancelled(&mut self) {
-        let mut cancelled = Vec::new();
-        let mut i = 0;
-        while i < self.waiting.len() {
-            if self.waiting[i].is_cancelled() {
-                cancelled.push(self.waiting.remove(i).expect("index in range"));
+        for mut seq in self.take_where(Sequence::is_cancelled) {
+            if seq.is_slow_reader {
+                tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "cancelled", reason = "slow_reader", "client fell too far behind the stream (--max-unread-tokens)");
+                self.metrics.slow_readers.inc();
             } else {
-                i += 1;
+                tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "cancelled", reason = "client_gone", "client went away");
             }
-        }
-        let mut i = 0;
-        while i < self.running.len() {
-            if self.running[i].is_cancelled() {
-                cancelled.push(self.running.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        let mut i = 0;
-        while i < self.swapped.len() {
-            if self.swapped[i].is_cancelled() {
-                cancelled.push(self.swapped.remove(i).expect("index in range"));
-            } else {
-                i += 1;
-            }
-        }
-        for mut seq in cancelled {
-            tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "cancelled", "client went away");
             self.metrics.count_request(Outcome::Cancelled);
             self.metrics.cancelled_tokens.inc_by(seq.token_ids.len() as u64);
             self.release(&mut seq);
@@ -47,6 +45,20 @@ impl EngineCore {
                 heir.forks = forks;
                 self.waiting.push_front(Sequence::new(heir));
             }
+        }
+    }
+
+    /// Ends requests that ran past their deadline (`timeout`, `--request-timeout`) with
+    /// `EngineError::Deadline`, wherever they are, and frees their blocks.
+    pub(super) fn expire_deadlines(&mut self) {
+        let now = Instant::now();
+        for mut seq in self.take_where(|seq| seq.deadline.is_some_and(|deadline| deadline <= now)) {
+            tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "timeout", "ran past its deadline");
+            seq.fail(EngineError::Deadline(seq.timeout_s()));
+            for _ in 0..=seq.forks.len() {
+                self.metrics.count_request(Outcome::Timeout);
+            }
+            self.release(&mut seq);
         }
     }
 

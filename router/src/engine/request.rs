@@ -54,6 +54,11 @@ pub struct Sequence {
     pub span: tracing::Span,
     /// From arrival to first admission; `None` once admitted (closing the span).
     pub queue_span: Option<tracing::Span>,
+    /// When the request expires; None = never.
+    pub deadline: Option<Instant>,
+    /// The client fell too far behind the stream and was sent `EngineError::SlowReader`; the next
+    /// iteration cancels the sequence.
+    pub is_slow_reader: bool,
     request: ValidRequest,
     events: EventSender,
     /// Under a grammar: where the generated tokens so far stand in it. Each sampled chunk carries the
@@ -83,6 +88,7 @@ impl Sequence {
             waiting_permit,
             tag,
             span,
+            deadline,
         } = new;
         let queue_span = tracing::info_span!(target: telemetry::TARGET, parent: &span, "queue");
         Self {
@@ -105,6 +111,8 @@ impl Sequence {
             tag,
             span,
             queue_span: Some(queue_span),
+            deadline,
+            is_slow_reader: false,
             detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, request.skip_special_tokens),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),
@@ -139,9 +147,14 @@ impl Sequence {
         self.token_ids.len() - self.num_prompt_tokens
     }
 
-    /// The client has gone (its receiver was dropped).
+    /// The client has gone (its receiver was dropped), or was cut off for reading too slowly.
     pub fn is_cancelled(&self) -> bool {
-        self.events.is_closed()
+        self.events.is_closed() || self.is_slow_reader
+    }
+
+    /// The request's `timeout` (the deadline's distance from its submission), for error messages.
+    pub fn timeout_s(&self) -> f64 {
+        self.request.timeout.map_or(0.0, |timeout| timeout.as_secs_f64())
     }
 
     fn sampling_params(&self, eos_token_ids: &HashSet<u32>) -> pb::SamplingParams {
@@ -286,8 +299,7 @@ impl Sequence {
         let is_special = tokenizer
             .id_to_token(token_id)
             .is_some_and(|token| tokenizer.get_added_vocabulary().is_special_token(&token));
-        // A send fails only when the client has gone; the next iteration then cancels the sequence.
-        let _ = self.events.send(Ok(TokenEvent {
+        self.send_token(TokenEvent {
             token_id,
             text: outcome.text,
             logprob: generation.logprob,
@@ -298,8 +310,11 @@ impl Sequence {
                 .map(|t| (t.token_id, t.logprob))
                 .collect(),
             end,
-        }));
-        if is_finished {
+        });
+        if self.is_slow_reader {
+            // Cut off, finished or not: the next iteration cancels it before planning.
+            TokenOutcome::Continue
+        } else if is_finished {
             TokenOutcome::Finished
         } else {
             TokenOutcome::Continue
@@ -311,11 +326,26 @@ impl Sequence {
         TokenOutcome::Failed
     }
 
-    /// Ends the request (and the choices waiting on it) with an error event.
+    /// Sends a token event, unless the client already leaves `--max-unread-tokens` events unread: then it
+    /// gets `EngineError::SlowReader` in the slot kept for it and is marked for cancellation. Never waits.
+    /// (A send to a client that has gone fails; the next iteration cancels the sequence.)
+    fn send_token(&mut self, event: TokenEvent) {
+        let max_unread_tokens = self.events.max_capacity() - 1;
+        let num_unread = self.events.max_capacity() - self.events.capacity();
+        if num_unread >= max_unread_tokens {
+            self.is_slow_reader = true;
+            let _ = self.events.try_send(Err(EngineError::SlowReader(max_unread_tokens)));
+        } else {
+            let _ = self.events.try_send(Ok(event));
+        }
+    }
+
+    /// Ends the request (and the choices waiting on it) with an error event. There is room for it: token
+    /// events never take a channel's last slot.
     pub fn fail(&self, error: EngineError) {
-        let _ = self.events.send(Err(error.clone()));
+        let _ = self.events.try_send(Err(error.clone()));
         for fork in &self.forks {
-            let _ = fork.events.send(Err(error.clone()));
+            let _ = fork.events.try_send(Err(error.clone()));
         }
     }
 

@@ -70,6 +70,8 @@ impl ApiError {
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::QueueTimeout(_)) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::Deadline(_)) => StatusCode::GATEWAY_TIMEOUT,
+            // Only a stream ever sees it (as an SSE `error` event): its client stopped reading.
+            ApiError::Engine(EngineError::SlowReader(_)) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Engine(EngineError::Closed | EngineError::Stopped) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::Shard(_) | EngineError::Detokenize(_)) => StatusCode::INTERNAL_SERVER_ERROR,
         }

@@ -15,12 +15,9 @@ mod service;
 #[cfg(test)]
 mod tests;
 
-use std::{
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
-    },
-    time::Duration,
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc,
 };
 
 use axum::{
@@ -70,8 +67,6 @@ pub struct AppState {
     pub shard_info: pb::InfoResponse,
     /// The pools' sizes and why, from the shards' Warmup answer (shown in /info).
     pub memory: MemoryInfo,
-    /// `--request-timeout`: how long a request may take from arrival to its last token.
-    pub request_timeout: Option<Duration>,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
 }
@@ -211,44 +206,11 @@ async fn submit(
         state.engine.metrics.count_request(Outcome::Overloaded);
         ApiError::QueueFull(state.limits.max_waiting_requests)
     })?;
-    let mut receivers = state
+    let receivers = state
         .engine
         .submit_n(valid.clone(), n, Some(waiting_permit), tag.id.clone())?;
-    if let Some(limit) = state.request_timeout {
-        receivers = receivers
-            .into_iter()
-            .map(|events| with_deadline(events, limit))
-            .collect();
-    }
     tag.hand_to_engine();
     Ok((valid, receivers))
-}
-
-/// Relays a choice's events until `limit` has passed since now; then ends it with `EngineError::Deadline`
-/// and drops the engine's receiver, which cancels the sequence (its blocks are free within an iteration,
-/// as for a client that hangs up). A client that hangs up first is relayed too: the relay ends.
-fn with_deadline(mut events: EventReceiver, limit: Duration) -> EventReceiver {
-    let (relay_tx, relay_rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let expired = tokio::time::sleep(limit);
-        let mut expired = std::pin::pin!(expired);
-        loop {
-            tokio::select! {
-                event = events.recv() => {
-                    let Some(event) = event else { return };
-                    if relay_tx.send(event).is_err() {
-                        return;
-                    }
-                }
-                () = &mut expired => {
-                    let _ = relay_tx.send(Err(EngineError::Deadline(limit.as_secs_f64())));
-                    return;
-                }
-                () = relay_tx.closed() => return,
-            }
-        }
-    });
-    relay_rx
 }
 
 /// A finished choice: every token event, and how it ended.
@@ -257,13 +219,10 @@ pub struct Finished {
     pub end: EndEvent,
 }
 
-/// Waits for every choice to finish, in order.
+/// Waits for every choice to finish, reading all of them at once (one read in turn would leave the
+/// others' events unread, and cut them off as slow readers).
 async fn collect_all(receivers: Vec<EventReceiver>) -> Result<Vec<Finished>, EngineError> {
-    let mut finished = Vec::with_capacity(receivers.len());
-    for receiver in receivers {
-        finished.push(collect(receiver).await?);
-    }
-    Ok(finished)
+    futures::future::try_join_all(receivers.into_iter().map(collect)).await
 }
 
 /// Waits for a choice to finish.

@@ -65,6 +65,7 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     input.truncate = parameters.truncate;
     input.priority = parameters.priority;
     input.cache_salt = parameters.cache_salt;
+    input.timeout = parameters.timeout;
     if let Some(grammar) = &parameters.grammar {
         input.grammar = guided::from_tgi(grammar)?;
     }
@@ -96,7 +97,7 @@ fn top_tokens(state: &AppState, event: &TokenEvent) -> Vec<TopToken> {
 /// Generate text.
 #[utoipa::path(post, path = "/generate", tag = "native", request_body = GenerateRequest,
     responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse),
-              (status = 429, body = ErrorResponse)))]
+              (status = 429, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
 pub async fn generate(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,
@@ -186,7 +187,8 @@ pub async fn generate_stream(
 
 /// TGI's compatibility route: `/generate_stream` when the body says `"stream": true`, else `/generate`.
 #[utoipa::path(post, path = "/", tag = "native", request_body = GenerateRequest,
-    responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse)))]
+    responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse),
+              (status = 504, body = ErrorResponse)))]
 pub async fn compat(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,

@@ -16,7 +16,7 @@ use axum::{
     Extension, Json,
 };
 use futures::{stream::SelectAll, StreamExt};
-use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::wrappers::ReceiverStream;
 
 use super::{
     acquire, collect_all, compat, error::OpenAiError, guided, submit, ApiError, AppState, Finished, RequestTag,
@@ -110,6 +110,7 @@ fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<
     input.skip_special_tokens = fields.skip_special_tokens.unwrap_or(true);
     input.priority = fields.priority.unwrap_or(0);
     input.cache_salt = fields.cache_salt.clone();
+    input.timeout = fields.timeout;
     if let Some(bias) = &fields.logit_bias {
         for (key, &value) in bias {
             let id: u32 = key
@@ -142,11 +143,12 @@ fn usage(prompts: &[(u32, u32)], choices: &[Finished]) -> Usage {
 type ChoiceStream = SelectAll<futures::stream::BoxStream<'static, (u32, Result<TokenEvent, EngineError>)>>;
 
 fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
-    futures::stream::select_all(receivers.into_iter().enumerate().map(|(index, rx)| {
-        UnboundedReceiverStream::new(rx)
-            .map(move |event| (index as u32, event))
-            .boxed()
-    }))
+    futures::stream::select_all(
+        receivers
+            .into_iter()
+            .enumerate()
+            .map(|(index, rx)| ReceiverStream::new(rx).map(move |event| (index as u32, event)).boxed()),
+    )
 }
 
 /// Tracks usage over a stream: prompt tokens once per prompt, completion tokens per choice.
@@ -246,7 +248,7 @@ pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Res
               (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
               (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
               (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
-              (status = 503, body = ErrorResponse)))]
+              (status = 503, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
 pub async fn completions(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,
@@ -438,7 +440,7 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
               (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
               (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
               (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
-              (status = 503, body = ErrorResponse)))]
+              (status = 503, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,

@@ -4,7 +4,11 @@
 //! - a header read timeout: once hyper waits for a request head (on connect, and after each answer on a
 //!   kept-alive connection) the whole head must arrive within it, else the connection is closed — this
 //!   bounds slow-header clients, silent connections and idle kept-alive ones alike;
-//! - a cap on connections open at once: one beyond it is closed as soon as it is accepted.
+//! - a cap on connections open at once: one beyond it is closed as soon as it is accepted;
+//! - a small kernel send buffer for unsent bytes (`TCP_NOTSENT_LOWAT`), so a client that stops reading
+//!   stops its stream being pulled within a few KiB: what it leaves unread piles up in its request's
+//!   bounded event channel, where the engine sees it (`--max-unread-tokens`), not in megabytes of socket
+//!   buffer.
 //!
 //! On shutdown the listener closes, open connections finish the request they are answering and close,
 //! and after a grace period any left are dropped.
@@ -26,6 +30,9 @@ use crate::config::ConnectionConfig;
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
 /// Pause after a failed accept (out of file descriptors, say) before trying again.
 const ACCEPT_RETRY_DELAY: Duration = Duration::from_millis(50);
+/// Unsent bytes a connection's socket may hold before it stops taking more (`TCP_NOTSENT_LOWAT`):
+/// about a hundred token events of a stream.
+const MAX_UNSENT_BYTES: u32 = 16 << 10;
 
 /// Serves `app` on `listener` until `shutdown` completes, then closes connections gracefully.
 pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionConfig, shutdown: impl Future<Output = ()>) {
@@ -53,6 +60,7 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionConfig,
             refuse(peer, limits.max_connections);
             continue; // dropping the stream closes it
         };
+        limit_unsent_bytes(&stream, peer);
         let service = TowerToHyperService::new(app.clone());
         let connection = builder.serve_connection(TokioIo::new(stream), service);
         let connection = graceful.watch(connection.into_owned());
@@ -67,6 +75,17 @@ pub async fn serve(listener: TcpListener, app: Router, limits: ConnectionConfig,
     if tokio::time::timeout(CLOSE_GRACE, graceful.shutdown()).await.is_err() {
         tracing::warn!("connections still open after the grace period; dropping them");
     }
+}
+
+/// Sets `TCP_NOTSENT_LOWAT` (Linux; elsewhere the socket keeps its buffers and slow readers are caught
+/// later, once those are full).
+fn limit_unsent_bytes(stream: &tokio::net::TcpStream, peer: SocketAddr) {
+    #[cfg(target_os = "linux")]
+    if let Err(error) = socket2::SockRef::from(stream).set_tcp_notsent_lowat(MAX_UNSENT_BYTES) {
+        tracing::debug!(%peer, %error, "cannot set TCP_NOTSENT_LOWAT");
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (stream, peer);
 }
 
 fn refuse(peer: SocketAddr, max_connections: usize) {

@@ -49,6 +49,9 @@ fn tokenizer() -> Tokenizer {
     tokenizer
 }
 
+/// `--max-unread-tokens` of the test servers.
+const MAX_UNREAD_TOKENS: usize = 8;
+
 pub(super) struct TestServer {
     pub(super) app: Router,
     pub(super) state: AppState,
@@ -92,6 +95,8 @@ async fn server_with(
         max_stop_sequences: 4,
         max_concurrent_requests,
         max_waiting_requests: max_concurrent_requests,
+        request_timeout: None,
+        max_unread_tokens: MAX_UNREAD_TOKENS,
     };
     let batch = BatchConfig {
         max_batch_tokens: 16,
@@ -136,7 +141,7 @@ async fn server_with(
     );
     let engine = crate::engine::spawn(core);
     let state = AppState {
-        engine: EngineHandle::new(inbox_tx, shards, metrics),
+        engine: EngineHandle::new(inbox_tx, shards, metrics, limits.max_unread_tokens),
         validator: Validator::new(
             tokenizer,
             limits.clone(),
@@ -163,7 +168,6 @@ async fn server_with(
         started_at: 0,
         shard_info,
         memory: MemoryInfo::default(),
-        request_timeout: None,
         limits,
         batch,
     };
@@ -550,6 +554,91 @@ async fn a_dropped_stream_is_cancelled_and_frees_its_blocks() {
     drop(receiver);
     assert_eq!(idle_free_blocks(&server).await, 63);
     assert_eq!(server.state.engine.metrics.num_requests(Outcome::Cancelled), 1);
+}
+
+/// Submits `w1 w2 w3 w4 w5` for 50 tokens through the engine handle, after `edit`; returns its events.
+async fn submit_direct(
+    server: &TestServer,
+    edit: impl FnOnce(&mut crate::validation::ValidRequest),
+) -> crate::engine::EventReceiver {
+    let input = crate::validation::GenerateInput::new(
+        crate::validation::Prompt::Text {
+            text: "w1 w2 w3 w4 w5".into(),
+            add_special_tokens: true,
+        },
+        "inputs",
+        "max_new_tokens",
+    );
+    let mut valid = server.state.validator.validate(input).await.expect("valid");
+    valid.max_new_tokens = 50;
+    edit(&mut valid);
+    let mut receivers = server
+        .state
+        .engine
+        .submit_n(valid, 1, None, "test".into())
+        .expect("submitted");
+    receivers.pop().expect("one")
+}
+
+#[tokio::test]
+async fn a_reader_that_falls_behind_is_cut_off_and_frees_its_blocks() {
+    let server = server(64, 16).await;
+    let mut receiver = submit_direct(&server, |_| {}).await;
+    let metrics = &server.state.engine.metrics;
+    for _ in 0..200 {
+        if metrics.slow_readers.get() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(metrics.slow_readers.get(), 1);
+    assert_eq!(metrics.num_requests(Outcome::Cancelled), 1);
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    // What the client finds once it reads again: the tokens it left unread, then the reason.
+    for _ in 0..MAX_UNREAD_TOKENS {
+        receiver.recv().await.expect("a token").expect("no error");
+    }
+    let error = receiver.recv().await.expect("an event").expect_err("cut off");
+    assert!(
+        matches!(error, crate::engine::EngineError::SlowReader(MAX_UNREAD_TOKENS)),
+        "{error}"
+    );
+    assert!(receiver.recv().await.is_none());
+}
+
+#[tokio::test]
+async fn a_request_past_its_deadline_ends_with_the_error_and_frees_its_blocks() {
+    let server = server(64, 16).await;
+    let mut receiver = submit_direct(&server, |valid| valid.timeout = Some(Duration::from_nanos(1))).await;
+    let error = receiver.recv().await.expect("an event").expect_err("expired");
+    assert!(matches!(error, crate::engine::EngineError::Deadline(_)), "{error}");
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    assert_eq!(server.state.engine.metrics.num_requests(Outcome::Timeout), 1);
+}
+
+#[tokio::test]
+async fn a_bad_timeout_is_a_422_naming_it() {
+    let server = server(64, 16).await;
+    for timeout in [json!(0), json!(-1.5), json!(1e9)] {
+        let body = json!({"inputs": "w1", "parameters": {"timeout": timeout}});
+        let (status, _, text) = post(&server.app, "/generate", body).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{text}");
+        assert!(text.contains("timeout"), "{text}");
+        let body = json!({"model": "fake", "prompt": "w1", "timeout": timeout});
+        let (status, _, text) = post(&server.app, "/v1/completions", body).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{text}");
+        assert!(text.contains("\"param\":\"timeout\""), "{text}");
+    }
+}
+
+#[tokio::test]
+async fn n_choices_are_read_at_once_and_none_is_cut_off() {
+    let server = server(64, 16).await;
+    // Each choice produces more events than a channel holds before the response is built.
+    let body = json!({"model": "fake", "prompt": "w1", "n": 3, "max_tokens": 4 * MAX_UNREAD_TOKENS});
+    let (status, _, text) = post(&server.app, "/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    assert_eq!(server.state.engine.metrics.slow_readers.get(), 0);
 }
 
 #[tokio::test]
