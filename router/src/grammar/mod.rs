@@ -142,4 +142,4 @@ impl GrammarMatcher {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
