@@ -5,7 +5,7 @@ use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use serde_json::Value;
 
 use super::GrammarError;
-use crate::text::reasoning::THINK_END;
+use crate::text::reasoning::{THINK_END, THINK_START};
 
 /// The name `AfterReasoning` gives its inner grammar.
 const ANSWER: &str = "answer";
@@ -23,9 +23,10 @@ pub enum GrammarSpec {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
-    /// Free text up to the end of a reasoning model's thinking (`</think>`, when the answer has
-    /// one), then the inner grammar: a grammar applies to the answer, never to the reasoning.
-    AfterReasoning(Box<GrammarSpec>),
+    /// A reasoning model's thinking, free text up to the first `</think>`, then `answer`: a grammar
+    /// applies to the answer, never to the reasoning. With `is_open` the output starts inside the
+    /// thinking (its template opened it); otherwise it may open with `<think>` or go straight to the answer.
+    AfterReasoning { is_open: bool, answer: Box<GrammarSpec> },
 }
 
 impl GrammarSpec {
@@ -37,7 +38,9 @@ impl GrammarSpec {
             GrammarSpec::Regex(regex) => format!("regex:{regex}"),
             GrammarSpec::Lark(lark) => format!("lark:{lark}"),
             GrammarSpec::Choice(choices) => format!("choice:{}", Value::from(choices.clone())),
-            GrammarSpec::AfterReasoning(inner) => format!("after_reasoning:{}", inner.cache_key()),
+            GrammarSpec::AfterReasoning { is_open, answer } => {
+                format!("after_reasoning:{is_open}:{}", answer.cache_key())
+            }
         }
     }
 
@@ -61,13 +64,18 @@ impl GrammarSpec {
                 let alternatives: Vec<String> = choices.iter().map(|choice| escape_regex(choice)).collect();
                 TopLevelGrammar::from_regex(&format!("({})", alternatives.join("|")))
             }
-            GrammarSpec::AfterReasoning(inner) => {
-                let mut grammar = inner.to_llguidance()?;
+            GrammarSpec::AfterReasoning { is_open, answer } => {
+                let mut grammar = answer.to_llguidance()?;
                 grammar.grammars[0].name = Some(ANSWER.into());
                 // `lazy`: the thinking ends at the first `</think>`.
                 let end = escape_regex(THINK_END).replace('/', "\\/");
+                let thinking = if *is_open {
+                    "thinking".to_owned()
+                } else {
+                    format!("(\"{THINK_START}\" thinking)?")
+                };
                 let reasoning =
-                    format!("start: (thinking (/[ \\t\\r\\n]+/)?)? @{ANSWER}\nthinking[lazy]: /(.|\\n)*{end}/\n");
+                    format!("start: {thinking} (/[ \\t\\r\\n]+/)? @{ANSWER}\nthinking[lazy]: /(.|\\n)*{end}/\n");
                 grammar.grammars.insert(0, GrammarWithLexer::from_lark(reasoning));
                 grammar
             }

@@ -200,27 +200,34 @@ async fn compiled_grammars_are_cached() {
 
 #[tokio::test]
 async fn after_reasoning_the_grammar_holds_and_not_before() {
-    let grammar = compile(GrammarSpec::AfterReasoning(Box::new(GrammarSpec::Regex(
-        "[0-9]{3}".into(),
-    ))))
-    .await;
+    let after = |is_open| GrammarSpec::AfterReasoning {
+        is_open,
+        answer: Box::new(GrammarSpec::Regex("[0-9]{3}".into())),
+    };
     let allows =
         |matcher: &mut GrammarMatcher, ch: char| is_allowed(&matcher.allowed_tokens().expect("mask"), token_of(ch));
-    // Without thinking: the grammar from the first token.
-    let mut matcher = grammar.matcher();
-    for ch in "123".chars() {
-        assert!(allows(&mut matcher, ch));
-        matcher.accept(token_of(ch)).expect("accepted");
-    }
-    assert!(matcher.is_complete());
-    // Thinking first: anything (digits, `</thin`, newlines) up to the first `</think>`.
-    let mut matcher = grammar.matcher();
-    for ch in "<think>a 1</thin>\nb</think>\n\n12".chars() {
-        assert!(allows(&mut matcher, ch), "{ch:?}");
-        matcher.accept(token_of(ch)).expect("accepted");
-        assert!(!matcher.is_complete());
-    }
+    let walk = |matcher: &mut GrammarMatcher, text: &str| {
+        for ch in text.chars() {
+            assert!(allows(matcher, ch), "{ch:?} of {text:?}");
+            matcher.accept(token_of(ch)).expect("accepted");
+        }
+    };
+    // Not open: the answer at once, or after a `<think>...</think>`; no other text first.
+    let closed = compile(after(false)).await;
+    let mut matcher = closed.matcher();
     assert!(!allows(&mut matcher, 'x'));
-    matcher.accept(token_of('3')).expect("accepted");
+    walk(&mut matcher, "123");
+    assert!(matcher.is_complete());
+    let mut matcher = closed.matcher();
+    walk(&mut matcher, "<think>a 1</thin>\nb</think>\n\n12");
+    assert!(!matcher.is_complete() && !allows(&mut matcher, 'x'));
+    walk(&mut matcher, "3");
+    assert!(matcher.is_complete());
+    // Open: anything (digits, `</thin`, newlines) up to the first `</think>`, then the answer.
+    let open = compile(after(true)).await;
+    let mut matcher = open.matcher();
+    walk(&mut matcher, "x 1</thin>\n</think>");
+    assert!(!matcher.is_complete() && !allows(&mut matcher, 'x'));
+    walk(&mut matcher, "123");
     assert!(matcher.is_complete());
 }

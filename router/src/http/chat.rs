@@ -160,11 +160,12 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
 }
 
 /// The output grammar: the tools' (for `required` and named choices) or the request's own, at most one;
-/// after the thinking when a reasoning parser is set.
+/// after the thinking when a reasoning parser is set and the answer to `prompt` may still think.
 async fn output_grammar(
     state: &AppState,
     request: &ChatCompletionRequest,
     tools: Option<&OfferedTools>,
+    prompt: &str,
 ) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
     let guided = guided::from_openai(&request.guided)?;
     let mut grammar = guided;
@@ -182,8 +183,17 @@ async fn output_grammar(
             grammar = Some((spec, "tools"));
         }
     }
-    Ok(match state.reasoning_format {
-        Some(_) => grammar.map(|(spec, field)| (GrammarSpec::AfterReasoning(Box::new(spec)), field)),
+    let reasoning = state
+        .reasoning_format
+        .map(|format| ReasoningParser::new(format, prompt));
+    Ok(match reasoning.and_then(|parser| parser.starts_in_reasoning()) {
+        Some(is_open) => grammar.map(|(answer, field)| {
+            let spec = GrammarSpec::AfterReasoning {
+                is_open,
+                answer: Box::new(answer),
+            };
+            (spec, field)
+        }),
         None => grammar,
     })
 }
@@ -213,6 +223,7 @@ pub async fn chat_completions(
         request.add_generation_prompt.unwrap_or(true),
         &template_variables(&request, tools.as_ref()),
     )?;
+    let grammar = output_grammar(&state, &request, tools.as_ref(), &prompt).await?;
     let tool_call_format = tools.as_ref().map(|_| state.tool_call_format);
     let new_reader = {
         let (reasoning, prompt) = (state.reasoning_format, prompt.clone());
@@ -236,7 +247,7 @@ pub async fn chat_completions(
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
     compat::check_inert(&request.inert)?;
-    input.grammar = output_grammar(&state, &request, tools.as_ref()).await?;
+    input.grammar = grammar;
     let permit = acquire(&state, n)?;
     let (valid, receivers) = submit(&state, &tag, input, n).await?;
     let id = format!("chatcmpl-{}", uuid_like());

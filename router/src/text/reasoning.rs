@@ -65,6 +65,16 @@ impl ReasoningParser {
         }
     }
 
+    /// Where the answer starts: `Some(true)` inside the thinking, `Some(false)` where it may open
+    /// with `<think>`, `None` past it (no thinking to come).
+    pub fn starts_in_reasoning(&self) -> Option<bool> {
+        match self.state {
+            State::InReasoning => Some(true),
+            State::BeforeStart => Some(self.format == ReasoningFormat::DeepseekR1),
+            State::AfterEnd | State::InContent => None,
+        }
+    }
+
     pub fn push(&mut self, text: &str) -> Split {
         self.pending.push_str(text);
         let mut split = Split::default();
