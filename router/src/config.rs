@@ -126,12 +126,12 @@ pub struct Args {
     /// `llama3` (a `{"name", "parameters"}` object) or `mistral` (`[TOOL_CALLS][...]`). Unset: the format
     /// whose markers the chat template shows, else `hermes` (templates without tool support are given
     /// the tools the Hermes way).
-    #[arg(long, env = "RILL_TOOL_CALL_PARSER", value_enum)]
+    #[arg(long, env = "RILL_TOOL_CALL_PARSER", value_enum, hide_possible_values = true)]
     pub tool_call_parser: Option<ToolCallFormat>,
     /// Separate a reasoning model's `<think>...</think>` from its answer, as `reasoning_content`:
     /// `deepseek_r1` (the answer starts inside the thinking) or `qwen3` (when it starts with `<think>`).
     /// A grammar (`response_format`, tool choices) then applies after the thinking. Unset: no separation.
-    #[arg(long, env = "RILL_REASONING_PARSER", value_enum)]
+    #[arg(long, env = "RILL_REASONING_PARSER", value_enum, hide_possible_values = true)]
     pub reasoning_parser: Option<ReasoningFormat>,
     /// Log each prompt's text (never logged otherwise).
     #[arg(long, env = "RILL_LOG_PROMPTS")]
