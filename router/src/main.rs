@@ -121,7 +121,8 @@ async fn main() -> anyhow::Result<()> {
 
     // Constrained decoding: the token trie of the tokenizer, built once.
     let grammar = GrammarCompiler::new(&tokenizer_path, &shard_info.eos_token_ids, shard_info.vocab_size)
-        .context("cannot build the grammar compiler's token trie")?;
+        .context("cannot build the grammar compiler's token trie")?
+        .with_metrics(metrics.grammar_compile_seconds.clone());
     // A single sequence may use the whole pool except the admission watermark.
     let max_kv_tokens = (num_usable_blocks - watermark_blocks) * block_size;
     let chat_template = chat_template::ChatTemplate::load(&config.model_id)?.map(Arc::new);
