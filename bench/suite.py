@@ -223,9 +223,12 @@ def post_chat(server: Server, body: dict[str, Any]) -> None:
 
 def compile_seconds(before: dict[str, float], after: dict[str, float], cache: str) -> float:
     """Mean `rill_grammar_compile_seconds{cache=...}` between two samples."""
-    name = f'rill_grammar_compile_seconds_{{}}{{cache="{cache}"}}'
-    count = after[name.format("count")] - before.get(name.format("count"), 0.0)
-    return (after[name.format("sum")] - before.get(name.format("sum"), 0.0)) / count
+
+    def delta(kind: str) -> float:
+        name = f'rill_grammar_compile_seconds_{kind}{{cache="{cache}"}}'
+        return after[name] - before.get(name, 0.0)
+
+    return delta("sum") / delta("count")
 
 
 def suite_constrained(args: argparse.Namespace) -> dict[str, Any]:

@@ -271,7 +271,7 @@ pub async fn chat_completions(
                     message: AssistantMessage {
                         role: "assistant",
                         content: (!(answer.content.is_empty() && !tool_calls.is_empty())).then_some(answer.content),
-                        reasoning_content: reader.reasoning.is_some().then_some(answer.reasoning),
+                        reasoning_content: (!answer.reasoning.is_empty()).then_some(answer.reasoning),
                         tool_calls,
                     },
                     logprobs: wants_logprobs.then(|| chat_logprobs(&state, &choice.tokens)),
