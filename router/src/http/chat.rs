@@ -270,7 +270,7 @@ pub async fn chat_completions(
                     index: index as u32,
                     message: AssistantMessage {
                         role: "assistant",
-                        content: (!(answer.content.is_empty() && !tool_calls.is_empty())).then_some(answer.content),
+                        content: (!answer.content.is_empty() || tool_calls.is_empty()).then_some(answer.content),
                         reasoning_content: (!answer.reasoning.is_empty()).then_some(answer.reasoning),
                         tool_calls,
                     },
