@@ -7,6 +7,7 @@ against each (back to back, in one run), and prints the ratios that the README r
     python -m bench.suite prefix-cache # shared prefix, 4-turn chat and random prompts, cache on vs off
     python -m bench.suite roofline     # memory bandwidth, GEMM rate, decode steps and prefill vs their floor
     python -m bench.suite peers        # Rill vs llama.cpp's server, same model, workload and machine
+    python -m bench.suite constrained  # step time with 0, 8, 32 grammar-constrained sequences of 32; compile
 
 Every suite runs the default model on the CPU unless `--device`/`--model-id` say otherwise; `--json PATH`
 keeps every figure. The machine is shared and noisy: compare ratios measured in one run, not absolutes.
@@ -207,6 +208,69 @@ def suite_overhead(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+# Constrained sequences run to max_tokens: at least 40 strings must come before the array may close.
+LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 40}
+
+
+def post_chat(server: Server, body: dict[str, Any]) -> None:
+    request = urllib.request.Request(
+        f"{server.url}/v1/chat/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=900) as response:
+        response.read()
+
+
+def compile_seconds(before: dict[str, float], after: dict[str, float], cache: str) -> float:
+    """Mean `rill_grammar_compile_seconds{cache=...}` between two samples."""
+
+    def delta(kind: str) -> float:
+        name = f'rill_grammar_compile_seconds_{kind}{{cache="{cache}"}}'
+        return after[name] - before.get(name, 0.0)
+
+    return delta("sum") / delta("count")
+
+
+def suite_constrained(args: argparse.Namespace) -> dict[str, Any]:
+    """32 concurrent chat requests of 48 tokens, 0, 8 or 32 of them under a JSON Schema (the others ignore
+    EOS, so every sequence runs all 48 steps): the mean step (forward + the router's planning, which holds
+    the mask computation) and the mask time per step, from the router's metrics; then one schema compiled
+    cold, and the same one again (cached)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows: dict[int, dict[str, float]] = {}
+    messages = [{"role": "user", "content": "List words."}]
+    base = {"messages": messages, "max_tokens": 48, "temperature": 1.0}
+    with rill(args, "constrained", "--max-batch-total-tokens", "60000") as server:
+        for num_constrained in (0, 8, 32):
+            constrained, free = {"guided_json": LONG_SCHEMA}, {"ignore_eos": True}
+            bodies = [
+                {**base, "seed": i, **(free if i >= num_constrained else constrained)} for i in range(32)
+            ]
+            post_chat(server, bodies[0])  # compile (and warm) before measuring
+            before = metrics(server)
+            with ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda body: post_chat(server, body), bodies))
+            after = metrics(server)
+            row = engine_seconds(before, after)
+            mask = "rill_grammar_mask_seconds_total"
+            row["mask_s"] = after[mask] - before[mask]
+            rows[num_constrained] = row
+        schema = {**LONG_SCHEMA, "title": f"cold-{time.time()}"}
+        compile_s = {}
+        for cache in ("miss", "hit"):
+            before = metrics(server)
+            post_chat(server, {**base, "max_tokens": 1, "guided_json": schema})
+            compile_s[cache] = compile_seconds(before, metrics(server), cache)
+    print("\nconstrained of 32 | steps | mean step + planning (ms) | masks per step (ms)")
+    for num_constrained, row in rows.items():
+        iteration_ms = 1e3 * (row["step_s"] + row["planning_s"]) / row["steps"]
+        print(f"{num_constrained:>17} | {row['steps']:>5.0f} | {iteration_ms:>26.1f} | "
+              f"{1e3 * row['mask_s'] / row['steps']:>19.2f}")  # fmt: skip
+    print(f"grammar compile: cold {1e3 * compile_s['miss']:.2f} ms, cached {1e3 * compile_s['hit']:.4f} ms")
+    return {"rows": rows, "compile_s": compile_s}
+
+
 def suite_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
     # A pool of 16,384 tokens: the random rounds fill it, so the cache also pays for LRU eviction.
     flags = ["--max-batch-total-tokens", "16384"]
@@ -280,6 +344,7 @@ SUITES = {
     "prefix-cache": suite_prefix_cache,
     "roofline": roofline.run,
     "peers": peers.run,
+    "constrained": suite_constrained,
 }
 
 

@@ -2,6 +2,13 @@
 //! `tokenizer_config.json`), rendered in the router with minijinja and what Hugging Face templates use:
 //! `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, and Python string
 //! methods (`.strip()`, `.startswith()`, ...).
+//!
+//! Tools reach the template as `tools` (OpenAI's tool objects), assistant turns' calls as
+//! `message.tool_calls` (with `function.arguments` parsed into an object, as Hugging Face templates
+//! expect), tool results as `tool` turns with `tool_call_id`. A template that never mentions `tools`
+//! (SmolLM2's, for one) gets them the Hermes way instead: described in the system message, with
+//! calls and results written into the turns' text (`text::tool_calls::hermes`), so any chat model can
+//! be offered tools; the answer is then read with the Hermes parser.
 
 use std::path::Path;
 
@@ -9,7 +16,10 @@ use minijinja::{Environment, ErrorKind};
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::api::openai::{ChatMessage, MessageContent};
+use crate::{
+    api::openai::{ChatMessage, MessageContent},
+    text::tool_calls::hermes,
+};
 
 #[derive(Debug, Error)]
 pub enum ChatTemplateError {
@@ -30,6 +40,12 @@ struct TemplateMessage<'a> {
     content: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     name: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
 }
 
 /// The model's chat template, compiled once.
@@ -37,6 +53,10 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The template's source, for what it tells about the model (`text::tool_calls::ToolCallFormat::detect`).
+    source: String,
+    /// The template renders `tools` itself; otherwise Rill describes them in the system message.
+    renders_tools: bool,
 }
 
 /// A special token in tokenizer_config.json: a string, or an object with `content`.
@@ -89,17 +109,29 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_template_owned("chat", source)
+        env.add_template_owned("chat", source.clone())
             .map_err(|e| ChatTemplateError::Load(e.to_string()))?;
         Ok(Self {
             env,
             bos_token,
             eos_token,
+            renders_tools: source.contains("tools"),
+            source,
         })
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the template renders `tools` itself (else they are rendered the Hermes way).
+    pub fn renders_tools(&self) -> bool {
+        self.renders_tools
     }
 
     /// Renders a conversation into the prompt text the model was trained on. `extra` holds further
     /// template variables (the request's `chat_template_kwargs`, `tools`, ...); the standard ones win.
+    /// Without `renders_tools`, `tools` and the turns' calls and results are written into the text.
     pub fn render(
         &self,
         messages: &[ChatMessage],
@@ -108,7 +140,7 @@ impl ChatTemplate {
     ) -> Result<String, ChatTemplateError> {
         let mut flat = Vec::with_capacity(messages.len());
         for message in messages {
-            let content = match &message.content {
+            let mut content = match &message.content {
                 None => String::new(),
                 Some(MessageContent::Text(text)) => text.clone(),
                 Some(MessageContent::Parts(parts)) => {
@@ -122,11 +154,49 @@ impl ChatTemplate {
                     text
                 }
             };
+            let calls = message.tool_calls.as_deref().unwrap_or_default();
+            let mut tool_calls = None;
+            if self.renders_tools {
+                tool_calls = message
+                    .tool_calls
+                    .is_some()
+                    .then(|| calls.iter().map(template_call).collect());
+            } else {
+                for call in calls {
+                    let arguments = arguments_value(&call.function.arguments);
+                    content = join(&content, &hermes::render_call(&call.function.name, &arguments));
+                }
+                if message.tool_call_id.is_some() {
+                    content = hermes::render_response(&content);
+                }
+            }
             flat.push(TemplateMessage {
                 role: &message.role,
                 content,
                 name: message.name.as_deref(),
+                tool_calls,
+                tool_call_id: message.tool_call_id.as_deref(),
+                reasoning_content: message.reasoning_content.as_deref(),
             });
+        }
+        let mut extra = extra.clone();
+        if let Some(tools) = extra.get("tools").filter(|_| !self.renders_tools).cloned() {
+            extra.remove("tools");
+            let description = hermes::system_prompt(&tools);
+            match flat.first_mut().filter(|first| first.role == "system") {
+                Some(system) => system.content = join(&system.content, &description),
+                None => flat.insert(
+                    0,
+                    TemplateMessage {
+                        role: "system",
+                        content: description,
+                        name: None,
+                        tool_calls: None,
+                        tool_call_id: None,
+                        reasoning_content: None,
+                    },
+                ),
+            }
         }
         let template = self.env.get_template("chat").expect("added at construction");
         template
@@ -135,10 +205,33 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
-                ..minijinja::Value::from_serialize(extra)
+                ..minijinja::Value::from_serialize(&extra)
             })
             .map_err(|e| ChatTemplateError::Render(e.to_string()))
     }
+}
+
+/// Two pieces of a turn's text, a blank line between them when both have some.
+fn join(first: &str, second: &str) -> String {
+    if first.is_empty() {
+        second.to_owned()
+    } else {
+        format!("{first}\n\n{second}")
+    }
+}
+
+/// A call's arguments as templates expect them: an object (the JSON text when it is not one).
+fn arguments_value(arguments: &str) -> serde_json::Value {
+    serde_json::from_str(arguments).unwrap_or_else(|_| arguments.into())
+}
+
+/// A call of the history as templates expect it: OpenAI's shape, `arguments` an object.
+fn template_call(call: &crate::api::openai::ToolCall) -> serde_json::Value {
+    serde_json::json!({
+        "id": call.id,
+        "type": call.kind,
+        "function": {"name": call.function.name, "arguments": arguments_value(&call.function.arguments)},
+    })
 }
 
 #[cfg(test)]
@@ -150,6 +243,9 @@ mod tests {
             role: role.into(),
             content: Some(MessageContent::Text(content.into())),
             name: None,
+            tool_calls: None,
+            tool_call_id: None,
+            reasoning_content: None,
         }
     }
 
@@ -220,5 +316,58 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
             template.render(&[message("user", "x")], false, extra).expect("renders"),
             "<s>no-think"
         );
+    }
+
+    fn tool_history() -> Vec<ChatMessage> {
+        let mut call = message("assistant", "");
+        call.content = None;
+        call.tool_calls = Some(vec![crate::api::openai::ToolCall {
+            id: "call_1".into(),
+            kind: "function".into(),
+            function: crate::api::openai::FunctionCall {
+                name: "weather".into(),
+                arguments: "{\"city\": \"Paris\"}".into(),
+            },
+        }]);
+        let mut result = message("tool", "sunny");
+        result.tool_call_id = Some("call_1".into());
+        vec![message("user", "Weather in Paris?"), call, result]
+    }
+
+    #[test]
+    fn templates_without_tool_support_get_tools_the_hermes_way() {
+        let template = ChatTemplate::new(CHATML.into(), String::new(), "<|im_end|>".into()).expect("valid");
+        assert!(!template.renders_tools());
+        let extra = serde_json::json!({"tools": [{"type": "function", "function": {"name": "weather"}}]});
+        let prompt = template
+            .render(&tool_history(), true, extra.as_object().expect("an object"))
+            .expect("renders");
+        assert!(
+            prompt.starts_with("<|im_start|>system\n# Tools\n\nYou may call one or more functions"),
+            "{prompt}"
+        );
+        assert!(
+            prompt.contains("<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"weather\"}}\n</tools>"),
+            "{prompt}"
+        );
+        assert!(prompt.contains("<|im_start|>assistant\n<tool_call>\n{\"name\":\"weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call><|im_end|>"), "{prompt}");
+        assert!(
+            prompt.contains("<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|>"),
+            "{prompt}"
+        );
+    }
+
+    #[test]
+    fn templates_with_tool_support_see_tools_and_calls() {
+        let source = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}\
+{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}\
+{% if m.tool_call_id %}{{ m.tool_call_id }}={% endif %}{{ m.content }};{% endfor %}";
+        let template = ChatTemplate::new(source.into(), String::new(), String::new()).expect("valid");
+        assert!(template.renders_tools());
+        let extra = serde_json::json!({"tools": [{"type": "function", "function": {"name": "weather"}}]});
+        let prompt = template
+            .render(&tool_history(), false, extra.as_object().expect("an object"))
+            .expect("renders");
+        assert_eq!(prompt, "[weather]Weather in Paris?;weather(Paris);call_1=sunny;");
     }
 }

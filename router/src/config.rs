@@ -4,7 +4,10 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{builder::BoolishValueParser, Arg, ArgAction, Parser, ValueEnum};
 
-use crate::scheduler::{KvAdmission, PreemptionMode};
+use crate::{
+    scheduler::{KvAdmission, PreemptionMode},
+    text::{reasoning::ReasoningFormat, tool_calls::ToolCallFormat},
+};
 
 /// rill-router: Rill's HTTP server, scheduler and KV block owner. Normally started by the launcher (`python -m rill`),
 /// which starts the shards first; the router connects to them, sizes the KV pool (Warmup) and serves.
@@ -125,6 +128,17 @@ pub struct Args {
     /// flag for several origins, or give `*` for any. Off by default: no CORS headers, preflights get 405.
     #[arg(long = "cors-allow-origin", env = "RILL_CORS_ALLOW_ORIGIN", value_name = "ORIGIN")]
     pub cors_allow_origins: Vec<String>,
+    /// How the model writes tool calls: `hermes` (`<tool_call>{...}</tool_call>`, Qwen and Hermes models),
+    /// `llama3` (a `{"name", "parameters"}` object) or `mistral` (`[TOOL_CALLS][...]`). Unset: the format
+    /// whose markers the chat template shows, else `hermes` (templates without tool support are given
+    /// the tools the Hermes way).
+    #[arg(long, env = "RILL_TOOL_CALL_PARSER", value_enum, hide_possible_values = true)]
+    pub tool_call_parser: Option<ToolCallFormat>,
+    /// Separate a reasoning model's `<think>...</think>` from its answer, as `reasoning_content`:
+    /// `deepseek_r1` (the answer starts inside the thinking) or `qwen3` (when it starts with `<think>`).
+    /// A grammar (`response_format`, tool choices) then applies after the thinking. Unset: no separation.
+    #[arg(long, env = "RILL_REASONING_PARSER", value_enum, hide_possible_values = true)]
+    pub reasoning_parser: Option<ReasoningFormat>,
     /// Log each prompt's text (never logged otherwise).
     #[arg(long, env = "RILL_LOG_PROMPTS")]
     pub log_prompts: bool,
@@ -257,6 +271,10 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Origins allowed by CORS (`--cors-allow-origin`); `*` means any; empty means CORS off.
     pub cors_allow_origins: Vec<String>,
+    /// `--tool-call-parser`; None = from the chat template.
+    pub tool_call_parser: Option<ToolCallFormat>,
+    /// `--reasoning-parser`; None = answers are not split.
+    pub reasoning_parser: Option<ReasoningFormat>,
     pub log_prompts: bool,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
@@ -321,6 +339,8 @@ impl Config {
             api_key: args.api_key.filter(|key| !key.is_empty()),
             max_body_bytes: args.max_body_bytes,
             cors_allow_origins: args.cors_allow_origins,
+            tool_call_parser: args.tool_call_parser,
+            reasoning_parser: args.reasoning_parser,
             log_prompts: args.log_prompts,
             limits: LimitsConfig {
                 max_input_tokens: args.max_input_tokens,

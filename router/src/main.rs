@@ -26,6 +26,7 @@ use rill_router::{
     scheduler::{BatchingMode, SchedulerConfig},
     shard::{pb, GrpcShards, ShardClient},
     telemetry,
+    text::tool_calls::ToolCallFormat,
     validation::Validator,
 };
 
@@ -120,13 +121,24 @@ async fn main() -> anyhow::Result<()> {
 
     // Constrained decoding: the token trie of the tokenizer, built once.
     let grammar = GrammarCompiler::new(&tokenizer_path, &shard_info.eos_token_ids, shard_info.vocab_size)
-        .context("cannot build the grammar compiler's token trie")?;
+        .context("cannot build the grammar compiler's token trie")?
+        .with_metrics(metrics.grammar_compile_seconds.clone());
     // A single sequence may use the whole pool except the admission watermark.
     let max_kv_tokens = (num_usable_blocks - watermark_blocks) * block_size;
     let chat_template = chat_template::ChatTemplate::load(&config.model_id)?.map(Arc::new);
     if chat_template.is_none() {
         tracing::warn!("the model has no chat template: /v1/chat/completions will answer 422");
     }
+    // Tool calls: the flag's format, else the one the template shows; Hermes for templates that show
+    // none (tools are then described the Hermes way, `chat_template`).
+    let tool_call_format = config.tool_call_parser.unwrap_or_else(|| {
+        chat_template
+            .as_deref()
+            .filter(|template| template.renders_tools())
+            .and_then(|template| ToolCallFormat::detect(template.source()))
+            .unwrap_or(ToolCallFormat::Hermes)
+    });
+    tracing::info!(?tool_call_format, reasoning_format = ?config.reasoning_parser, "chat answers");
     let state = http::AppState {
         engine: EngineHandle::new(inbox_tx, shards, metrics, config.limits.max_unread_tokens),
         validator: Validator::new(tokenizer, config.limits.clone(), shard_info.vocab_size, max_kv_tokens)
@@ -139,6 +151,8 @@ async fn main() -> anyhow::Result<()> {
         cors_allow_origins: config.cors_allow_origins.clone(),
         log_prompts: config.log_prompts,
         chat_template,
+        tool_call_format,
+        reasoning_format: config.reasoning_parser,
         model_id: config.model_id.display().to_string(),
         served_model_name: config.served_model_name.clone(),
         started_at: std::time::SystemTime::now()

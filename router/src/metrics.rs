@@ -3,8 +3,8 @@
 //! saturation (queue depth, running sequences, free KV blocks), histograms for latencies and step sizes.
 
 use prometheus::{
-    core::Collector, exponential_buckets, Counter, Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec,
-    IntGauge, Opts, Registry, TextEncoder,
+    core::Collector, exponential_buckets, Counter, Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter,
+    IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
 /// Request outcomes, the label values of `rill_requests_total`.
@@ -72,6 +72,11 @@ pub struct Metrics {
     /// (prefix-cache lookups, admission, preemption), applying it to the KV pool, and applying the sampled
     /// tokens (stop checks, caching computed blocks, releasing finished sequences).
     pub engine_planning_seconds: Counter,
+    /// Seconds the engine spent computing constrained sequences' allowed-token masks (part of
+    /// `engine_planning_seconds`).
+    pub grammar_mask_seconds: Counter,
+    /// Seconds to get a request's compiled grammar, by `cache` (`miss`: compiled; `hit`: found).
+    pub grammar_compile_seconds: HistogramVec,
     pub step_tokens: Histogram,
     pub step_duration: Histogram,
     pub queue_time: Histogram,
@@ -235,6 +240,23 @@ impl Metrics {
                 "Seconds the router's engine loop spent planning steps and applying their outputs",
             ),
             step_tokens: histogram(&registry, "rill_step_tokens", "Tokens computed per iteration", tokens),
+            grammar_mask_seconds: float_counter(
+                &registry,
+                "rill_grammar_mask_seconds_total",
+                "Seconds the engine loop spent computing allowed-token masks of constrained sequences",
+            ),
+            grammar_compile_seconds: register(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "rill_grammar_compile_seconds",
+                        "Seconds to get a request's compiled grammar, by cache (miss: compiled, hit: cached)",
+                    )
+                    .buckets(exponential_buckets(1e-5, 4.0, 12).expect("valid buckets")),
+                    &["cache"],
+                )
+                .expect("valid histogram"),
+            ),
             step_duration: histogram(
                 &registry,
                 "rill_step_duration_seconds",

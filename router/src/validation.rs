@@ -274,14 +274,22 @@ impl Validator {
         let grammar = input.grammar.clone();
         let mut valid = self.validate_tokens(prompt_ids, input)?;
         if let Some((spec, field)) = grammar {
-            let compiler = self.grammar.as_ref().ok_or(ValidationError::NoGrammarSupport)?;
-            let compiled = compiler.compile(&spec).await.map_err(|e| match e {
-                GrammarError::Invalid(message) => ValidationError::InvalidGrammar(field, message),
-                GrammarError::Internal(message) => ValidationError::GrammarCompile(message),
-            })?;
-            valid.grammar = Some(compiled);
+            valid.grammar = Some(self.compile_grammar(&spec, field).await?);
         }
         Ok(valid)
+    }
+
+    /// Compiles (or finds in the cache) the grammar `field` gave; errors name the field.
+    pub async fn compile_grammar(
+        &self,
+        spec: &GrammarSpec,
+        field: &'static str,
+    ) -> Result<CompiledGrammar, ValidationError> {
+        let compiler = self.grammar.as_ref().ok_or(ValidationError::NoGrammarSupport)?;
+        compiler.compile(spec).await.map_err(|e| match e {
+            GrammarError::Invalid(message) => ValidationError::InvalidGrammar(field, message),
+            GrammarError::Internal(message) => ValidationError::GrammarCompile(message),
+        })
     }
 
     fn validate_tokens(&self, mut prompt_ids: Vec<u32>, input: GenerateInput) -> Result<ValidRequest, ValidationError> {

@@ -187,9 +187,53 @@ pub struct ContentPart {
 pub struct ChatMessage {
     /// "system", "user", "assistant" (or any role the model's template knows).
     pub role: String,
+    /// May be null on an assistant turn that made tool calls.
     pub content: Option<MessageContent>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// Assistant turns: the tool calls it made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// Tool turns: the id of the call this is the result of.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// Assistant turns: the reasoning that came with it (for templates that show it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+/// A tool call: in an assistant turn of the history, and in a reply.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct ToolCall {
+    /// `call_` and 24 hex digits in replies.
+    pub id: String,
+    /// "function".
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+/// The function a call names, and its arguments as a JSON text.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A tool call in a stream chunk: sent whole, once the model finished writing it.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallDelta {
+    /// Position of the call among the choice's calls.
+    pub index: u32,
+    pub id: String,
+    /// "function".
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
 }
 
 /// `POST /v1/chat/completions`.
@@ -213,12 +257,14 @@ pub struct ChatCompletionRequest {
     /// Effort hint of reasoning models ("low", "medium", "high", ...): handed to the chat template as
     /// `reasoning_effort`, for the templates that use it.
     pub reasoning_effort: Option<String>,
-    /// Function tools the model may call.
+    /// Function tools the model may call; they reach the model's chat template as `tools`.
     pub tools: Option<Vec<Tool>>,
-    /// "none", "auto", "required", or `{"type": "function", "function": {"name": ...}}`.
+    /// "auto" (default with tools: the model decides), "none" (no tools offered), "required" (at least
+    /// one call), or `{"type": "function", "function": {"name": ...}}` (a call of that function);
+    /// `required` and named choices are enforced with a grammar.
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<serde_json::Value>,
-    /// Whether the model may call several tools in one turn. Default true.
+    /// Whether a `required` or named choice may make several calls in one turn. Default true.
     pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -380,7 +426,13 @@ pub struct ChatLogprobs {
 pub struct AssistantMessage {
     /// "assistant".
     pub role: &'static str,
-    pub content: String,
+    /// The answer; null when it is only tool calls.
+    pub content: Option<String>,
+    /// With `--reasoning-parser`: the model's thinking, apart from the answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -388,6 +440,7 @@ pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
     pub logprobs: Option<ChatLogprobs>,
+    /// "stop", "length", or "tool_calls" (the answer ended after making tool calls).
     pub finish_reason: &'static str,
 }
 
@@ -409,6 +462,10 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

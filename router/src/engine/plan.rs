@@ -194,7 +194,11 @@ impl EngineCore {
             .saturating_sub(seq.num_computed_tokens)
             .min(num_scheduled_tokens);
         self.metrics.prompt_tokens_computed.inc_by(num_prompt_tokens as u64);
-        seq.chunk(num_scheduled_tokens, &self.eos_token_ids)
+        seq.chunk(
+            num_scheduled_tokens,
+            &self.eos_token_ids,
+            &self.metrics.grammar_mask_seconds,
+        )
     }
 }
 

@@ -183,8 +183,14 @@ impl Sequence {
         }
     }
 
-    /// This sequence's part of a forward call computing `num_tokens` of its tokens.
-    pub fn chunk(&mut self, num_tokens: usize, eos_token_ids: &HashSet<u32>) -> pb::SequenceChunk {
+    /// This sequence's part of a forward call computing `num_tokens` of its tokens; the time its grammar
+    /// mask takes is added to `mask_seconds`.
+    pub fn chunk(
+        &mut self,
+        num_tokens: usize,
+        eos_token_ids: &HashSet<u32>,
+        mask_seconds: &prometheus::Counter,
+    ) -> pb::SequenceChunk {
         let start = self.num_computed_tokens;
         let end = start + num_tokens;
         let is_first_call = !self.is_known_to_shards;
@@ -205,8 +211,11 @@ impl Sequence {
             sample,
             params,
             cached_token_ids,
-            allowed_token_bitmask: if sample {
-                self.allowed_tokens(eos_token_ids)
+            allowed_token_bitmask: if sample && self.grammar.is_some() {
+                let started = Instant::now();
+                let mask = self.allowed_tokens(eos_token_ids);
+                mask_seconds.inc_by(started.elapsed().as_secs_f64());
+                mask
             } else {
                 Vec::new()
             },

@@ -41,6 +41,8 @@ pub enum GrammarError {
 pub struct GrammarCompiler {
     factory: Arc<ParserFactory>,
     cache: Arc<Mutex<HashMap<String, CompiledGrammar>>>,
+    /// Where each `compile` reports its time, labelled `hit` or `miss` (`rill_grammar_compile_seconds`).
+    compile_seconds: Option<prometheus::HistogramVec>,
 }
 
 impl GrammarCompiler {
@@ -58,14 +60,31 @@ impl GrammarCompiler {
         Ok(Self {
             factory: Arc::new(factory),
             cache: Arc::default(),
+            compile_seconds: None,
         })
+    }
+
+    /// Reports the time of every `compile` into `histogram` (labelled by `cache`: `hit` or `miss`).
+    pub fn with_metrics(mut self, histogram: prometheus::HistogramVec) -> Self {
+        self.compile_seconds = Some(histogram);
+        self
+    }
+
+    fn observe(&self, cache: &str, started: std::time::Instant) {
+        if let Some(histogram) = &self.compile_seconds {
+            histogram
+                .with_label_values(&[cache])
+                .observe(started.elapsed().as_secs_f64());
+        }
     }
 
     /// The compiled grammar for `spec`: from the cache, or compiled on the blocking pool.
     pub async fn compile(&self, spec: &GrammarSpec) -> Result<CompiledGrammar, GrammarError> {
+        let started = std::time::Instant::now();
         let key = spec.cache_key();
-        if let Some(hit) = self.cache.lock().expect("never poisoned").get(&key) {
-            return Ok(hit.clone());
+        if let Some(hit) = self.cache.lock().expect("never poisoned").get(&key).cloned() {
+            self.observe("hit", started);
+            return Ok(hit);
         }
         let grammar = spec.to_llguidance()?;
         let compiler = self.clone();
@@ -77,6 +96,8 @@ impl GrammarCompiler {
             cache.clear();
         }
         cache.insert(key, compiled.clone());
+        drop(cache);
+        self.observe("miss", started);
         Ok(compiled)
     }
 
@@ -142,4 +163,4 @@ impl GrammarMatcher {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

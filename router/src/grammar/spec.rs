@@ -1,10 +1,14 @@
 //! What a request constrains its output to, in the terms shared by every API (OpenAI's
 //! `response_format`, TGI's `grammar`, vLLM's `guided_*`), and its translation for llguidance.
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use serde_json::Value;
 
 use super::GrammarError;
+use crate::text::reasoning::{THINK_END, THINK_START};
+
+/// The name `AfterReasoning` gives its inner grammar.
+const ANSWER: &str = "answer";
 
 /// The language a constrained request's output must belong to.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +23,10 @@ pub enum GrammarSpec {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
+    /// A reasoning model's thinking, free text up to the first `</think>`, then `answer`: a grammar
+    /// applies to the answer, never to the reasoning. With `is_open` the output starts inside the
+    /// thinking (its template opened it); otherwise it may open with `<think>` or go straight to the answer.
+    AfterReasoning { is_open: bool, answer: Box<GrammarSpec> },
 }
 
 impl GrammarSpec {
@@ -30,6 +38,9 @@ impl GrammarSpec {
             GrammarSpec::Regex(regex) => format!("regex:{regex}"),
             GrammarSpec::Lark(lark) => format!("lark:{lark}"),
             GrammarSpec::Choice(choices) => format!("choice:{}", Value::from(choices.clone())),
+            GrammarSpec::AfterReasoning { is_open, answer } => {
+                format!("after_reasoning:{is_open}:{}", answer.cache_key())
+            }
         }
     }
 
@@ -52,6 +63,21 @@ impl GrammarSpec {
                 }
                 let alternatives: Vec<String> = choices.iter().map(|choice| escape_regex(choice)).collect();
                 TopLevelGrammar::from_regex(&format!("({})", alternatives.join("|")))
+            }
+            GrammarSpec::AfterReasoning { is_open, answer } => {
+                let mut grammar = answer.to_llguidance()?;
+                grammar.grammars[0].name = Some(ANSWER.into());
+                // `lazy`: the thinking ends at the first `</think>`.
+                let end = escape_regex(THINK_END).replace('/', "\\/");
+                let thinking = if *is_open {
+                    "thinking".to_owned()
+                } else {
+                    format!("(\"{THINK_START}\" thinking)?")
+                };
+                let reasoning =
+                    format!("start: {thinking} (/[ \\t\\r\\n]+/)? @{ANSWER}\nthinking[lazy]: /(.|\\n)*{end}/\n");
+                grammar.grammars.insert(0, GrammarWithLexer::from_lark(reasoning));
+                grammar
             }
         })
     }

@@ -7,12 +7,30 @@ use tokenizers::{models::bpe::BPE, pre_tokenizers::byte_level::ByteLevel, AddedT
 use super::*;
 
 /// Printable ASCII, one token per character (ids 0..95, byte-level: the space is `Ġ`), then `<eos>`
-/// (id 95); logits have 100 entries.
+/// (id 95) and a newline (id 96); logits have 100 entries.
 const EOS: u32 = 95;
+const NEWLINE: u32 = 96;
 const VOCAB_SIZE: u32 = 100;
 
+/// The token of a character of the test vocabulary.
+pub(crate) fn token_of(ch: char) -> u32 {
+    if ch == '\n' {
+        NEWLINE
+    } else {
+        u32::from(ch) - u32::from(b' ')
+    }
+}
+
+fn char_of(token: u32) -> char {
+    if token == NEWLINE {
+        '\n'
+    } else {
+        char::from(b' ' + token as u8)
+    }
+}
+
 /// One compiler for every test (they run in parallel; its cache is shared).
-fn compiler() -> GrammarCompiler {
+pub(crate) fn compiler() -> GrammarCompiler {
     static COMPILER: std::sync::OnceLock<GrammarCompiler> = std::sync::OnceLock::new();
     COMPILER.get_or_init(build_compiler).clone()
 }
@@ -33,6 +51,7 @@ fn build_compiler() -> GrammarCompiler {
     tokenizer.with_pre_tokenizer(Some(byte_level));
     tokenizer.with_decoder(Some(byte_level));
     tokenizer.add_special_tokens(&[AddedToken::from("<eos>", true)]);
+    tokenizer.add_tokens(&[AddedToken::from("\n", false)]);
     let dir = std::env::temp_dir().join(format!("rill-grammar-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("tokenizer.json");
@@ -46,7 +65,7 @@ fn is_allowed(mask: &[u32], token: u32) -> bool {
 }
 
 /// Samples uniformly among the allowed tokens until EOS; returns the text and whether EOS ended it.
-fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usize) -> (String, bool) {
+pub(crate) fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usize) -> (String, bool) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut matcher = grammar.matcher();
     let mut text = String::new();
@@ -54,7 +73,10 @@ fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usize) -> (Stri
         let mask = matcher.allowed_tokens().expect("mask");
         let allowed: Vec<u32> = (0..VOCAB_SIZE).filter(|&t| is_allowed(&mask, t)).collect();
         assert!(!allowed.is_empty(), "an empty mask after {text:?}");
-        assert!(allowed.iter().all(|&t| t < 96), "padding tokens allowed: {allowed:?}");
+        assert!(
+            allowed.iter().all(|&t| t <= NEWLINE),
+            "padding tokens allowed: {allowed:?}"
+        );
         // Prefer continuing, so walks explore long outputs, but take EOS sometimes when allowed.
         let token = if allowed.contains(&EOS) && (allowed.len() == 1 || rng.random_bool(0.3)) {
             EOS
@@ -70,12 +92,12 @@ fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usize) -> (Stri
             return (text, true);
         }
         matcher.accept(token).expect("an allowed token is accepted");
-        text.push(char::from(b' ' + token as u8));
+        text.push(char_of(token));
     }
     (text, false)
 }
 
-async fn compile(spec: GrammarSpec) -> CompiledGrammar {
+pub(crate) async fn compile(spec: GrammarSpec) -> CompiledGrammar {
     compiler().compile(&spec).await.expect("compiles")
 }
 
@@ -174,4 +196,38 @@ async fn compiled_grammars_are_cached() {
     let first = compiler.compile(&spec).await.expect("compiles");
     let second = compiler.compile(&spec).await.expect("compiles");
     assert!(Arc::ptr_eq(&first.0, &second.0));
+}
+
+#[tokio::test]
+async fn after_reasoning_the_grammar_holds_and_not_before() {
+    let after = |is_open| GrammarSpec::AfterReasoning {
+        is_open,
+        answer: Box::new(GrammarSpec::Regex("[0-9]{3}".into())),
+    };
+    let allows =
+        |matcher: &mut GrammarMatcher, ch: char| is_allowed(&matcher.allowed_tokens().expect("mask"), token_of(ch));
+    let walk = |matcher: &mut GrammarMatcher, text: &str| {
+        for ch in text.chars() {
+            assert!(allows(matcher, ch), "{ch:?} of {text:?}");
+            matcher.accept(token_of(ch)).expect("accepted");
+        }
+    };
+    // Not open: the answer at once, or after a `<think>...</think>`; no other text first.
+    let closed = compile(after(false)).await;
+    let mut matcher = closed.matcher();
+    assert!(!allows(&mut matcher, 'x'));
+    walk(&mut matcher, "123");
+    assert!(matcher.is_complete());
+    let mut matcher = closed.matcher();
+    walk(&mut matcher, "<think>a 1</thin>\nb</think>\n\n12");
+    assert!(!matcher.is_complete() && !allows(&mut matcher, 'x'));
+    walk(&mut matcher, "3");
+    assert!(matcher.is_complete());
+    // Open: anything (digits, `</thin`, newlines) up to the first `</think>`, then the answer.
+    let open = compile(after(true)).await;
+    let mut matcher = open.matcher();
+    walk(&mut matcher, "x 1</thin>\n</think>");
+    assert!(!matcher.is_complete() && !allows(&mut matcher, 'x'));
+    walk(&mut matcher, "123");
+    assert!(matcher.is_complete());
 }

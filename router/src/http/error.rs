@@ -30,6 +30,9 @@ pub enum ApiError {
     Unprocessable(String),
     #[error("{message}")]
     Unsupported { message: String, param: String },
+    /// `tools` or `tool_choice` do not make sense (answered with 400).
+    #[error("{message}")]
+    InvalidTools { message: String, param: String },
     #[error("the model `{0}` does not exist; this server serves `{1}`")]
     ModelNotFound(String, String),
     #[error("the server has --max-concurrent-requests = {0} requests in flight; retry later")]
@@ -63,7 +66,7 @@ impl ApiError {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
             ApiError::Unsupported { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_) | ApiError::InvalidTools { .. } => StatusCode::BAD_REQUEST,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
             ApiError::Overloaded(_) | ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -93,7 +96,7 @@ impl ApiError {
         match self {
             ApiError::Validation(e) => e.param().map(str::to_owned),
             ApiError::ChatTemplate(_) => Some("messages".into()),
-            ApiError::Unsupported { param, .. } => Some(param.clone()),
+            ApiError::Unsupported { param, .. } | ApiError::InvalidTools { param, .. } => Some(param.clone()),
             ApiError::ModelNotFound(..) => Some("model".into()),
             _ => None,
         }

@@ -2,6 +2,7 @@
 //! Handlers turn bodies into `GenerateInput`s, validate, submit to the engine and shape its events;
 //! they never schedule or touch KV.
 
+mod chat;
 mod compat;
 #[cfg(test)]
 mod compat_tests;
@@ -14,6 +15,7 @@ pub mod serve;
 mod service;
 #[cfg(test)]
 mod tests;
+mod tools;
 
 use std::sync::{
     atomic::{AtomicBool, Ordering},
@@ -36,6 +38,7 @@ use crate::{
     engine::{EndEvent, EngineError, EngineHandle, EventReceiver, TokenEvent},
     metrics::Outcome,
     shard::pb,
+    text::{reasoning::ReasoningFormat, tool_calls::ToolCallFormat},
     validation::{GenerateInput, ValidRequest, Validator},
 };
 
@@ -59,6 +62,10 @@ pub struct AppState {
     /// Log prompts' text (`--log-prompts`); off by default, prompts are never logged.
     pub log_prompts: bool,
     pub chat_template: Option<Arc<ChatTemplate>>,
+    /// How the model writes tool calls (`--tool-call-parser`, or from its chat template).
+    pub tool_call_format: ToolCallFormat,
+    /// How it separates its thinking from its answer (`--reasoning-parser`); `None`: it does not.
+    pub reasoning_format: Option<ReasoningFormat>,
     pub model_id: String,
     /// The model name of the OpenAI API.
     pub served_model_name: String,
@@ -111,7 +118,7 @@ pub fn app(state: AppState) -> Router {
         .route("/generate", post(native::generate))
         .route("/generate_stream", post(native::generate_stream))
         .route("/v1/completions", post(openai::completions))
-        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
         .route("/tokenize", post(service::tokenize))

@@ -1,4 +1,5 @@
-//! The OpenAI-compatible API: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
+//! The OpenAI-compatible API: `/v1/completions`, `/v1/models`, and what `/v1/chat/completions` (`chat.rs`)
+//! shares with them.
 //! Requests become the shared `GenerateInput`, so validation, sampling, stop handling and text are
 //! exactly the native API's.
 
@@ -24,10 +25,8 @@ use super::{
 use crate::{
     api::{
         openai::{
-            AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-            ChatCompletionResponse, ChatDelta, ChatLogprobs, CompletionChoice, CompletionLogprobs, CompletionPrompt,
-            CompletionRequest, CompletionResponse, ErrorResponse, Model, ModelList, PromptTokensDetails,
-            SamplingFields, StreamOptions, TokenLogprob, TopLogprob, Usage,
+            CompletionChoice, CompletionLogprobs, CompletionPrompt, CompletionRequest, CompletionResponse,
+            ErrorResponse, Model, ModelList, PromptTokensDetails, SamplingFields, StreamOptions, Usage,
         },
         FinishReason,
     },
@@ -38,21 +37,21 @@ use crate::{
 /// Most choices one request may ask for.
 const MAX_N: u32 = 32;
 
-fn now() -> u64 {
+pub(super) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or_default()
 }
 
-fn finish_reason(reason: FinishReason) -> &'static str {
+pub(super) fn finish_reason(reason: FinishReason) -> &'static str {
     match reason {
         FinishReason::Length => "length",
         FinishReason::EosToken | FinishReason::StopSequence => "stop",
     }
 }
 
-fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+pub(super) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
         Some(model) if *model != state.served_model_name => {
             Err(ApiError::ModelNotFound(model.clone(), state.served_model_name.clone()))
@@ -61,34 +60,8 @@ fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError>
     }
 }
 
-/// Chat fields whose support comes later: accepted only when they ask for no tools.
-fn check_chat_features(request: &ChatCompletionRequest) -> Result<(), ApiError> {
-    let unsupported = |param: &str, what: &str| ApiError::Unsupported {
-        message: format!("`{param}`: {what} is not supported by this server"),
-        param: param.into(),
-    };
-    if request.tools.as_ref().is_some_and(|tools| !tools.is_empty()) {
-        return Err(unsupported("tools", "tool calling"));
-    }
-    match &request.tool_choice {
-        Some(choice) if !(choice.is_null() || choice == "none" || choice == "auto") => {
-            Err(unsupported("tool_choice", "a tool choice other than none or auto"))
-        }
-        _ => Ok(()),
-    }
-}
-
-/// The chat template's extra variables: `chat_template_kwargs` and `reasoning_effort`.
-fn template_variables(request: &ChatCompletionRequest) -> serde_json::Map<String, serde_json::Value> {
-    let mut variables = request.chat_template_kwargs.clone().unwrap_or_default();
-    if let Some(effort) = &request.reasoning_effort {
-        variables.insert("reasoning_effort".into(), effort.clone().into());
-    }
-    variables
-}
-
 /// Maps the OpenAI sampling fields onto the shared `GenerateInput`.
-fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<u32, ApiError> {
+pub(super) fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<u32, ApiError> {
     // OpenAI samples by default (temperature 1); `temperature: 0` asks for greedy decoding.
     input.do_sample = true;
     input.temperature = fields.temperature;
@@ -126,7 +99,7 @@ fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields) -> Result<
     Ok(n)
 }
 
-fn usage(prompts: &[(u32, u32)], choices: &[Finished]) -> Usage {
+pub(super) fn usage(prompts: &[(u32, u32)], choices: &[Finished]) -> Usage {
     let prompt_tokens: u32 = prompts.iter().map(|(tokens, _)| tokens).sum();
     let completion_tokens = choices.iter().map(|c| c.end.num_generated_tokens).sum();
     Usage {
@@ -142,7 +115,7 @@ fn usage(prompts: &[(u32, u32)], choices: &[Finished]) -> Usage {
 /// Streams several choices as one: each event tagged with its choice index.
 type ChoiceStream = SelectAll<futures::stream::BoxStream<'static, (u32, Result<TokenEvent, EngineError>)>>;
 
-fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
+pub(super) fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
     futures::stream::select_all(
         receivers
             .into_iter()
@@ -152,7 +125,7 @@ fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
 }
 
 /// Tracks usage over a stream: prompt tokens once per prompt, completion tokens per choice.
-struct StreamUsage {
+pub(super) struct StreamUsage {
     prompt_tokens: u32,
     cached_tokens: u32,
     /// Tokens of the choices that ended, as the engine counted them.
@@ -164,7 +137,7 @@ struct StreamUsage {
 }
 
 impl StreamUsage {
-    fn new(prompt_tokens: u32, options: Option<StreamOptions>) -> Self {
+    pub(super) fn new(prompt_tokens: u32, options: Option<StreamOptions>) -> Self {
         Self {
             prompt_tokens,
             cached_tokens: 0,
@@ -175,7 +148,7 @@ impl StreamUsage {
     }
 
     /// Counts one token event; with continuous usage stats, returns the usage so far for its chunk.
-    fn add(&mut self, event: &TokenEvent, is_first_choice_of_prompt: bool) -> Option<Usage> {
+    pub(super) fn add(&mut self, event: &TokenEvent, is_first_choice_of_prompt: bool) -> Option<Usage> {
         self.streamed_tokens += 1;
         if let Some(end) = &event.end {
             if is_first_choice_of_prompt {
@@ -187,7 +160,7 @@ impl StreamUsage {
     }
 
     /// The final usage, once every choice ended.
-    fn total(&self) -> Usage {
+    pub(super) fn total(&self) -> Usage {
         self.usage(self.completion_tokens)
     }
 
@@ -203,11 +176,11 @@ impl StreamUsage {
     }
 }
 
-fn sse_json(value: impl serde::Serialize) -> Result<Event, Infallible> {
+pub(super) fn sse_json(value: impl serde::Serialize) -> Result<Event, Infallible> {
     Ok(Event::default().json_data(value).expect("responses serialize"))
 }
 
-fn sse_error(error: EngineError) -> Result<Event, Infallible> {
+pub(super) fn sse_error(error: EngineError) -> Result<Event, Infallible> {
     Ok(Event::default()
         .event("error")
         .json_data(ApiError::from(error).openai_body())
@@ -406,150 +379,7 @@ pub async fn completions(
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
 }
 
-fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
-    ChatLogprobs {
-        content: tokens
-            .iter()
-            .map(|event| {
-                let token = state.token_text(event.token_id);
-                TokenLogprob {
-                    bytes: token.as_bytes().to_vec(),
-                    token,
-                    logprob: event.logprob,
-                    top_logprobs: event
-                        .top_logprobs
-                        .iter()
-                        .map(|&(id, logprob)| {
-                            let token = state.token_text(id);
-                            TopLogprob {
-                                bytes: token.as_bytes().to_vec(),
-                                token,
-                                logprob,
-                            }
-                        })
-                        .collect(),
-                }
-            })
-            .collect(),
-    }
-}
-
-/// Chat completions, streaming or not, with the model's own chat template.
-#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatCompletionRequest,
-    responses((status = 200, body = ChatCompletionResponse), (status = 404, body = ErrorResponse),
-              (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
-              (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
-              (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
-              (status = 503, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
-pub async fn chat_completions(
-    State(state): State<AppState>,
-    Extension(tag): Extension<RequestTag>,
-    body: Result<Json<ChatCompletionRequest>, JsonRejection>,
-) -> Result<Response, OpenAiError> {
-    let Json(request) = body?;
-    check_model(&state, &request.model)?;
-    compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
-    check_chat_features(&request)?;
-    tracing::debug!(user = ?request.sampling.user, "chat completion request");
-    if request.messages.is_empty() {
-        return Err(ValidationError::EmptyInput("messages").into());
-    }
-    let prompt = state.render_chat(
-        &request.messages,
-        request.add_generation_prompt.unwrap_or(true),
-        &template_variables(&request),
-    )?;
-    // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
-    let mut input = GenerateInput::new(
-        Prompt::Text {
-            text: prompt,
-            add_special_tokens: false,
-        },
-        "messages",
-        "max_completion_tokens",
-    );
-    input.max_new_tokens = request.max_completion_tokens.or(request.max_tokens);
-    if request.top_logprobs.is_some() && !request.logprobs {
-        return Err(
-            ValidationError::OutOfRange("top_logprobs", "used with `logprobs: true`", "without it".into()).into(),
-        );
-    }
-    input.top_n_tokens = request.top_logprobs.unwrap_or(0);
-    let n = apply_sampling(&mut input, &request.sampling)?;
-    compat::check_inert(&request.inert)?;
-    input.grammar = guided::from_openai(&request.guided)?;
-    let permit = acquire(&state, n)?;
-    let (valid, receivers) = submit(&state, &tag, input, n).await?;
-    let id = format!("chatcmpl-{}", uuid_like());
-    let model = state.served_model_name.clone();
-    let created = now();
-    let wants_logprobs = request.logprobs;
-
-    if !request.sampling.stream.unwrap_or(false) {
-        let _permit = permit;
-        let finished = collect_all(receivers).await?;
-        let prompts = [(finished[0].end.num_prompt_tokens, finished[0].end.num_cached_tokens)];
-        let choices = finished
-            .iter()
-            .enumerate()
-            .map(|(index, choice)| ChatChoice {
-                index: index as u32,
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: choice.end.generated_text.clone(),
-                },
-                logprobs: wants_logprobs.then(|| chat_logprobs(&state, &choice.tokens)),
-                finish_reason: finish_reason(choice.end.finish_reason),
-            })
-            .collect();
-        let usage = usage(&prompts, &finished);
-        return Ok(Json(ChatCompletionResponse {
-            id,
-            object: "chat.completion",
-            created,
-            model,
-            choices,
-            usage,
-        })
-        .into_response());
-    }
-
-    let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
-    let mut stream_usage = StreamUsage::new(valid.prompt_ids.len() as u32, request.sampling.stream_options);
-    let mut events = merge(receivers);
-    let stream = async_stream::stream! {
-        let _permit = permit;
-        let chunk = |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
-            id: id.clone(), object: "chat.completion.chunk", created, model: model.clone(), choices, usage,
-        };
-        for index in 0..n {
-            let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()) };
-            yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], None));
-        }
-        while let Some((index, event)) = events.next().await {
-            match event {
-                Ok(event) => {
-                    let logprobs = wants_logprobs.then(|| chat_logprobs(&state, std::slice::from_ref(&event)));
-                    let finish = event.end.as_ref().map(|end| finish_reason(end.finish_reason));
-                    let usage = stream_usage.add(&event, index == 0);
-                    let delta = ChatDelta { role: None, content: Some(event.text.clone()) };
-                    yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason: finish }], usage));
-                }
-                Err(error) => {
-                    yield sse_error(error);
-                    return;
-                }
-            }
-        }
-        if include_usage {
-            yield sse_json(chunk(Vec::new(), Some(stream_usage.total())));
-        }
-        yield Ok(Event::default().data("[DONE]"));
-    };
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
-}
-
 /// A random 24-hex-digit id for responses.
-fn uuid_like() -> String {
+pub(super) fn uuid_like() -> String {
     format!("{:024x}", rand::random::<u128>() >> 32)
 }

@@ -189,7 +189,7 @@ pub async fn detokenize(
         super::native::generate,
         super::native::generate_stream,
         super::openai::completions,
-        super::openai::chat_completions,
+        super::chat::chat_completions,
         super::openai::models,
         super::openai::model,
         health,

@@ -163,6 +163,8 @@ async fn server_with(
             )
             .expect("valid template"),
         )),
+        tool_call_format: crate::text::tool_calls::ToolCallFormat::Hermes,
+        reasoning_format: None,
         model_id: "fake".into(),
         served_model_name: "fake".into(),
         started_at: 0,

@@ -1,0 +1,342 @@
+//! `/v1/chat/completions`: the conversation rendered with the model's chat template (with the request's
+//! tools, `http::tools`), generated like any request, and each choice's text read back as it streams:
+//! the thinking of a reasoning model apart (`--reasoning-parser`), tool calls out (the format of
+//! `--tool-call-parser` or the template's).
+
+use axum::{
+    extract::{rejection::JsonRejection, State},
+    response::{
+        sse::{Event, KeepAlive, Sse},
+        IntoResponse, Response,
+    },
+    Extension, Json,
+};
+use futures::StreamExt;
+
+use super::{
+    acquire, collect_all, compat,
+    error::OpenAiError,
+    guided,
+    openai::{
+        apply_sampling, check_model, finish_reason, merge, now, sse_error, sse_json, usage, uuid_like, StreamUsage,
+    },
+    submit,
+    tools::OfferedTools,
+    ApiError, AppState, RequestTag,
+};
+use crate::{
+    api::{
+        openai::{
+            AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+            ChatCompletionResponse, ChatDelta, ChatLogprobs, ErrorResponse, FunctionCall, TokenLogprob, ToolCall,
+            ToolCallDelta, TopLogprob, Usage,
+        },
+        FinishReason,
+    },
+    engine::TokenEvent,
+    grammar::GrammarSpec,
+    text::{
+        reasoning::{ReasoningFormat, ReasoningParser},
+        tool_calls::{self, ToolCallFormat, ToolCallParser},
+    },
+    validation::{GenerateInput, Prompt, ValidationError},
+};
+
+/// The chat template's extra variables: `chat_template_kwargs`, `reasoning_effort` and `tools`.
+fn template_variables(
+    request: &ChatCompletionRequest,
+    tools: Option<&OfferedTools>,
+) -> serde_json::Map<String, serde_json::Value> {
+    let mut variables = request.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(effort) = &request.reasoning_effort {
+        variables.insert("reasoning_effort".into(), effort.clone().into());
+    }
+    if let Some(tools) = tools {
+        variables.insert("tools".into(), tools.template_value());
+    }
+    variables
+}
+
+/// What a piece of one choice's text turned out to be.
+#[derive(Debug, Default)]
+struct AnswerPiece {
+    reasoning: String,
+    content: String,
+    calls: Vec<tool_calls::ToolCall>,
+}
+
+/// Reads one choice's text as it arrives: the reasoning apart, then tool calls out of the answer.
+struct AnswerReader {
+    reasoning: Option<ReasoningParser>,
+    tool_calls: Option<ToolCallParser>,
+    /// Calls read so far.
+    num_calls: u32,
+}
+
+impl AnswerReader {
+    fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
+        Self {
+            reasoning: reasoning.map(|format| ReasoningParser::new(format, prompt)),
+            tool_calls: tool_calls.map(ToolCallFormat::parser),
+            num_calls: 0,
+        }
+    }
+
+    /// The next piece of text; with `is_last`, also everything held back.
+    fn push(&mut self, text: &str, is_last: bool) -> AnswerPiece {
+        let mut piece = AnswerPiece::default();
+        let mut answer = match &mut self.reasoning {
+            Some(parser) => {
+                let mut split = parser.push(text);
+                if is_last {
+                    let rest = parser.finish();
+                    split.reasoning.push_str(&rest.reasoning);
+                    split.content.push_str(&rest.content);
+                }
+                piece.reasoning = split.reasoning;
+                split.content
+            }
+            None => text.to_owned(),
+        };
+        if let Some(parser) = &mut self.tool_calls {
+            let mut parsed = parser.push(&answer);
+            if is_last {
+                parsed.append(parser.finish());
+            }
+            answer = parsed.content;
+            piece.calls = parsed.calls;
+        }
+        piece.content = answer;
+        self.num_calls += piece.calls.len() as u32;
+        piece
+    }
+
+    /// `finish_reason`: "tool_calls" for an answer that made calls and ended on its own.
+    fn finish_reason(&self, reason: FinishReason) -> &'static str {
+        match reason {
+            FinishReason::EosToken | FinishReason::StopSequence if self.num_calls > 0 => "tool_calls",
+            _ => finish_reason(reason),
+        }
+    }
+}
+
+fn reply_call(call: tool_calls::ToolCall) -> ToolCall {
+    ToolCall {
+        id: format!("call_{}", uuid_like()),
+        kind: "function".into(),
+        function: FunctionCall {
+            name: call.name,
+            arguments: call.arguments,
+        },
+    }
+}
+
+fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
+    ChatLogprobs {
+        content: tokens
+            .iter()
+            .map(|event| {
+                let token = state.token_text(event.token_id);
+                TokenLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: event.logprob,
+                    top_logprobs: event
+                        .top_logprobs
+                        .iter()
+                        .map(|&(id, logprob)| {
+                            let token = state.token_text(id);
+                            TopLogprob {
+                                bytes: token.as_bytes().to_vec(),
+                                token,
+                                logprob,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// The output grammar: the tools' (for `required` and named choices) or the request's own, at most one;
+/// after the thinking when a reasoning parser is set and the answer to `prompt` may still think.
+async fn output_grammar(
+    state: &AppState,
+    request: &ChatCompletionRequest,
+    tools: Option<&OfferedTools>,
+    prompt: &str,
+) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    let guided = guided::from_openai(&request.guided)?;
+    let mut grammar = guided;
+    if let Some(tools) = tools {
+        let spec = tools.grammar(state.tool_call_format);
+        if !tools.is_enforced() {
+            // `auto` constrains nothing; compiling (cached) still checks the tools' schemas.
+            state.validator.compile_grammar(&spec, "tools").await?;
+        } else if let Some((_, field)) = grammar {
+            return Err(ApiError::Unsupported {
+                message: format!("`tool_choice` asks for a tool call, which `{field}` would constrain too"),
+                param: field.into(),
+            });
+        } else {
+            grammar = Some((spec, "tools"));
+        }
+    }
+    let reasoning = state
+        .reasoning_format
+        .map(|format| ReasoningParser::new(format, prompt));
+    Ok(match reasoning.and_then(|parser| parser.starts_in_reasoning()) {
+        Some(is_open) => grammar.map(|(answer, field)| {
+            let spec = GrammarSpec::AfterReasoning {
+                is_open,
+                answer: Box::new(answer),
+            };
+            (spec, field)
+        }),
+        None => grammar,
+    })
+}
+
+/// Chat completions, streaming or not, with the model's own chat template.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatCompletionRequest,
+    responses((status = 200, body = ChatCompletionResponse), (status = 404, body = ErrorResponse),
+              (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
+              (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
+              (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
+              (status = 503, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    Extension(tag): Extension<RequestTag>,
+    body: Result<Json<ChatCompletionRequest>, JsonRejection>,
+) -> Result<Response, OpenAiError> {
+    let Json(request) = body?;
+    check_model(&state, &request.model)?;
+    compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
+    tracing::debug!(user = ?request.sampling.user, "chat completion request");
+    if request.messages.is_empty() {
+        return Err(ValidationError::EmptyInput("messages").into());
+    }
+    let tools = OfferedTools::from_request(&request)?;
+    let prompt = state.render_chat(
+        &request.messages,
+        request.add_generation_prompt.unwrap_or(true),
+        &template_variables(&request, tools.as_ref()),
+    )?;
+    let grammar = output_grammar(&state, &request, tools.as_ref(), &prompt).await?;
+    let tool_call_format = tools.as_ref().map(|_| state.tool_call_format);
+    let new_reader = {
+        let (reasoning, prompt) = (state.reasoning_format, prompt.clone());
+        move || AnswerReader::new(reasoning, tool_call_format, &prompt)
+    };
+    // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
+    let mut input = GenerateInput::new(
+        Prompt::Text {
+            text: prompt,
+            add_special_tokens: false,
+        },
+        "messages",
+        "max_completion_tokens",
+    );
+    input.max_new_tokens = request.max_completion_tokens.or(request.max_tokens);
+    if request.top_logprobs.is_some() && !request.logprobs {
+        return Err(
+            ValidationError::OutOfRange("top_logprobs", "used with `logprobs: true`", "without it".into()).into(),
+        );
+    }
+    input.top_n_tokens = request.top_logprobs.unwrap_or(0);
+    let n = apply_sampling(&mut input, &request.sampling)?;
+    compat::check_inert(&request.inert)?;
+    input.grammar = grammar;
+    let permit = acquire(&state, n)?;
+    let (valid, receivers) = submit(&state, &tag, input, n).await?;
+    let id = format!("chatcmpl-{}", uuid_like());
+    let model = state.served_model_name.clone();
+    let created = now();
+    let wants_logprobs = request.logprobs;
+
+    if !request.sampling.stream.unwrap_or(false) {
+        let _permit = permit;
+        let finished = collect_all(receivers).await?;
+        let prompts = [(finished[0].end.num_prompt_tokens, finished[0].end.num_cached_tokens)];
+        let choices = finished
+            .iter()
+            .enumerate()
+            .map(|(index, choice)| {
+                let mut reader = new_reader();
+                let answer = reader.push(&choice.end.generated_text, true);
+                let tool_calls: Vec<ToolCall> = answer.calls.into_iter().map(reply_call).collect();
+                ChatChoice {
+                    index: index as u32,
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content: (!answer.content.is_empty() || tool_calls.is_empty()).then_some(answer.content),
+                        reasoning_content: (!answer.reasoning.is_empty()).then_some(answer.reasoning),
+                        tool_calls,
+                    },
+                    logprobs: wants_logprobs.then(|| chat_logprobs(&state, &choice.tokens)),
+                    finish_reason: reader.finish_reason(choice.end.finish_reason),
+                }
+            })
+            .collect();
+        let usage = usage(&prompts, &finished);
+        return Ok(Json(ChatCompletionResponse {
+            id,
+            object: "chat.completion",
+            created,
+            model,
+            choices,
+            usage,
+        })
+        .into_response());
+    }
+
+    let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
+    let mut stream_usage = StreamUsage::new(valid.prompt_ids.len() as u32, request.sampling.stream_options);
+    let mut events = merge(receivers);
+    let mut readers: Vec<AnswerReader> = (0..n).map(|_| new_reader()).collect();
+    let stream = async_stream::stream! {
+        let _permit = permit;
+        let chunk = |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
+            id: id.clone(), object: "chat.completion.chunk", created, model: model.clone(), choices, usage,
+        };
+        for index in 0..n {
+            let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..ChatDelta::default() };
+            yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], None));
+        }
+        while let Some((index, event)) = events.next().await {
+            match event {
+                Ok(event) => {
+                    let reader = &mut readers[index as usize];
+                    let logprobs = wants_logprobs.then(|| chat_logprobs(&state, std::slice::from_ref(&event)));
+                    let first_call = reader.num_calls;
+                    let piece = reader.push(&event.text, event.end.is_some());
+                    let finish = event.end.as_ref().map(|end| reader.finish_reason(end.finish_reason));
+                    let usage = stream_usage.add(&event, index == 0);
+                    let has_more = !piece.reasoning.is_empty() || !piece.calls.is_empty();
+                    let delta = ChatDelta {
+                        role: None,
+                        content: (!piece.content.is_empty() || !has_more).then_some(piece.content),
+                        reasoning_content: (!piece.reasoning.is_empty()).then_some(piece.reasoning),
+                        tool_calls: (!piece.calls.is_empty()).then(|| {
+                            piece.calls.into_iter().zip(first_call..).map(|(call, index)| {
+                                let call = reply_call(call);
+                                ToolCallDelta { index, id: call.id, kind: "function", function: call.function }
+                            }).collect()
+                        }),
+                    };
+                    yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason: finish }], usage));
+                }
+                Err(error) => {
+                    yield sse_error(error);
+                    return;
+                }
+            }
+        }
+        if include_usage {
+            yield sse_json(chunk(Vec::new(), Some(stream_usage.total())));
+        }
+        yield Ok(Event::default().data("[DONE]"));
+    };
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+}

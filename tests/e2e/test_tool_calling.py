@@ -1,0 +1,217 @@
+"""End to end: tool calling and reasoning with the default 135M model, whose template has no tool support
+(so Rill offers the tools the Hermes way). With the official `openai` client: `tool_choice="required"` and a
+named tool always give calls whose arguments validate against the tool's schema (`jsonschema`), a full round
+trip (assistant `tool_calls`, then a `tool` message, then an answer), and streamed tool-call deltas that
+reassemble into the non-streamed calls; `langchain-openai` completes a forced tool call; bad tools are 400s
+naming the problem. A server with `--reasoning-parser deepseek_r1` puts the answer's thinking into
+`reasoning_content`, streamed and not alike."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+import requests
+
+from .conftest import Server, start_server, stop_server
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def check_calls(calls: list, names: set[str]) -> None:
+    assert calls, "no tool calls"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_"), call
+        assert call.function.name in names, call
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_and_named_choices_always_call_valid_tools(client: openai.OpenAI) -> None:
+    for seed in range(6):
+        required = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=120,
+            seed=seed,
+            temperature=1.0,
+        ).choices[0]
+        assert required.finish_reason == "tool_calls", required
+        check_calls(required.message.tool_calls, {"get_weather", "get_time"})
+        named = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=MESSAGES,
+            tools=TOOLS,
+            parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            max_tokens=60,
+            seed=seed,
+            temperature=1.0,
+        ).choices[0]
+        assert named.finish_reason == "tool_calls", named
+        assert named.message.content is None and len(named.message.tool_calls) == 1
+        check_calls(named.message.tool_calls, {"get_time"})
+
+
+def test_a_round_trip_through_a_tool(client: openai.OpenAI) -> None:
+    first = (
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=MESSAGES,
+            tools=TOOLS,
+            parallel_tool_calls=False,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            max_tokens=60,
+            temperature=0,
+        )
+        .choices[0]
+        .message
+    )
+    call = first.tool_calls[0]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+    ]
+    for choice in ("auto", "none"):
+        answer = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=history,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=40,
+            temperature=0,
+        ).choices[0]
+        assert answer.finish_reason in ("stop", "length", "tool_calls"), answer
+        assert answer.message.content or answer.message.tool_calls, answer
+    assert answer.message.content and not answer.message.tool_calls, answer
+
+
+def test_streamed_tool_calls_reassemble_into_the_unstreamed_ones(client: openai.OpenAI) -> None:
+    fields = dict(
+        model="SmolLM2-135M-Instruct",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=120,
+        seed=3,
+        temperature=1.0,
+    )
+    whole = client.chat.completions.create(**fields).choices[0]
+    calls: dict[int, dict] = {}
+    finish_reason = None
+    content = ""
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish_reason = choice.finish_reason or finish_reason
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += delta.id or ""
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    assert finish_reason == whole.finish_reason == "tool_calls"
+    assert content == (whole.message.content or "")
+    streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+    assert streamed == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(calls[i]["id"].startswith("call_") for i in calls)
+
+
+def test_langchain_completes_a_tool_call(server: Server) -> None:
+    from langchain_openai import ChatOpenAI
+
+    model = ChatOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="unused",
+        model="SmolLM2-135M-Instruct",
+        max_tokens=60,
+        temperature=0,
+        max_retries=0,
+    )
+    message = model.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert [call["name"] for call in message.tool_calls] == ["get_weather"], message
+    jsonschema.validate(message.tool_calls[0]["args"], SCHEMAS["get_weather"])
+
+
+def test_bad_tools_are_400s_naming_the_problem(server: Server) -> None:
+    def post(**fields: object) -> requests.Response:
+        body = {"messages": MESSAGES, "max_tokens": 4, **fields}
+        return requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+
+    unknown = post(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert unknown.status_code == 400 and "nope" in unknown.json()["error"]["message"], unknown.text
+    assert unknown.json()["error"]["param"] == "tool_choice"
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
+    invalid = post(tools=[bad_schema])
+    assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "tools", invalid.text
+    both = post(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert both.status_code == 422 and "response_format" in both.text, both.text
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(
+        default_model, tmp_path_factory.mktemp("reasoning"), "--reasoning-parser", "deepseek_r1"
+    )
+    yield server
+    stop_server(server)
+
+
+def test_reasoning_goes_to_reasoning_content_streamed_or_not(reasoning_server: Server) -> None:
+    """DeepSeek-R1's convention: the answer starts inside the thinking, which ends at `</think>`. The 135M
+    model never writes one, so every word is reasoning; under a grammar it is free to think first (the
+    grammar holds after `</think>`), so it is not forced into JSON."""
+    client = openai.OpenAI(base_url=f"{reasoning_server.url}/v1", api_key="unused", max_retries=0)
+    fields = dict(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**fields).choices[0]
+    reasoning = whole.message.model_extra["reasoning_content"]
+    assert reasoning and not whole.message.content, whole
+    streamed = ""
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content, chunk
+            streamed += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+    assert streamed == reasoning
+    constrained = client.chat.completions.create(**fields, response_format={"type": "json_object"}).choices[0]
+    # The same tokens while the thinking lasts (only EOS is held back until the grammar is done).
+    assert constrained.message.model_extra["reasoning_content"].startswith(reasoning)
