@@ -37,7 +37,8 @@ pub struct Args {
     /// Longest prompt accepted, in tokens.
     #[arg(long, env = "RILL_MAX_INPUT_TOKENS", default_value_t = 4095)]
     pub max_input_tokens: u32,
-    /// Most tokens of one request, prompt plus generated.
+    /// Most tokens of one request, prompt plus generated; lowered to the model's positions
+    /// (`max_position_embeddings`) when above them, and --max-input-tokens with it (logged).
     #[arg(long, env = "RILL_MAX_TOTAL_TOKENS", default_value_t = 4096)]
     pub max_total_tokens: u32,
     /// Most tokens computed in one forward pass (one iteration); longer prompts are prefilled in chunks.
@@ -227,6 +228,25 @@ pub struct LimitsConfig {
     pub max_unread_tokens: usize,
 }
 
+impl LimitsConfig {
+    /// Lowers the token limits to the model's positions (`max_position_embeddings`; 0 = unknown), so a request
+    /// that would outgrow them is refused or ends at `length` instead of failing its whole batch in the shard.
+    /// Returns what it changed, for the log.
+    pub fn fit_to_model(&mut self, max_positions: u32) -> Option<String> {
+        if max_positions == 0 || self.max_total_tokens <= max_positions {
+            return None;
+        }
+        let asked = (self.max_input_tokens, self.max_total_tokens);
+        self.max_total_tokens = max_positions;
+        self.max_input_tokens = self.max_input_tokens.min(max_positions - 1);
+        Some(format!(
+            "the model has {max_positions} positions: --max-total-tokens lowered from {} to {}, \
+             --max-input-tokens {} -> {}",
+            asked.1, self.max_total_tokens, asked.0, self.max_input_tokens
+        ))
+    }
+}
+
 /// The longest deadline accepted, in seconds (`--request-timeout`, a request's `timeout`): about 11 days.
 pub const MAX_TIMEOUT_S: f64 = 1e6;
 
@@ -403,6 +423,26 @@ mod tests {
                 "--{long}"
             );
         }
+    }
+
+    #[test]
+    fn limits_fit_the_models_positions() {
+        let parse = |flags: &[&str]| {
+            let base = ["rill-router", "--model-id", "m", "--shard-socket", "s"];
+            Config::from_args(Args::try_parse_from(base.iter().chain(flags)).unwrap())
+                .unwrap()
+                .limits
+        };
+        let mut limits = parse(&["--max-input-tokens", "64", "--max-total-tokens", "1024"]);
+        assert!(limits.fit_to_model(512).is_some());
+        assert_eq!((limits.max_input_tokens, limits.max_total_tokens), (64, 512));
+        let mut limits = parse(&[]); // 4095 / 4096
+        assert!(limits.fit_to_model(2048).is_some());
+        assert_eq!((limits.max_input_tokens, limits.max_total_tokens), (2047, 2048));
+        let mut limits = parse(&[]);
+        assert_eq!(limits.fit_to_model(8192), None);
+        assert_eq!(limits.fit_to_model(0), None); // unknown
+        assert_eq!((limits.max_input_tokens, limits.max_total_tokens), (4095, 4096));
     }
 
     #[test]

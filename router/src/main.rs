@@ -39,7 +39,7 @@ async fn main() -> anyhow::Result<()> {
     }
     // Dropped last, on every way out of `main`: flushes the spans still buffered.
     let _telemetry = telemetry::init(args.json_logs, args.otlp_endpoint.as_deref())?;
-    let config = Config::from_args(args)?;
+    let mut config = Config::from_args(args)?;
 
     let tokenizer_path = config.model_id.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
@@ -56,6 +56,9 @@ async fn main() -> anyhow::Result<()> {
     let shards: Arc<dyn ShardClient> = Arc::new(shards);
     let shard_info = shards.info().await.context("shard Info failed")?;
     tracing::info!(?shard_info, "shard info");
+    if let Some(change) = config.limits.fit_to_model(shard_info.max_position_embeddings) {
+        tracing::warn!("{change}");
+    }
 
     tracing::info!("warming up: sizing the KV pool");
     let warmup_request = pb::WarmupRequest {

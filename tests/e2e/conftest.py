@@ -110,7 +110,8 @@ def make_tiny_model(default_model: Path, path: Path) -> Path:
     launcher, router and shard at a fraction of the default model's cost."""
     from tests.shard.conftest import save_tiny_model
 
-    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    # Positions for the longest generations the tests ask for (the router caps requests at them).
+    save_tiny_model(path, vocab_size=49152, bos_token_id=1, eos_token_id=2, max_position_embeddings=8192)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model / name, path / name)
     return path
