@@ -71,16 +71,15 @@ class ModelCosts:
 def model_costs(runner: ModelRunner) -> ModelCosts:
     cfg = runner.model_config
     element = torch.finfo(runner.dtype).bits // 8
-    embedding = runner.model.model.embed_tokens.weight
-    lm_head = runner.model.lm_head.weight
-    all_params = sum(p.numel() for p in runner.model.parameters())  # a tied LM head is counted once
-    layer_params = all_params - embedding.numel() - (0 if lm_head is embedding else lm_head.numel())
+    embedding = runner.model.model.embed_tokens.weight.numel()  # the LM head has the same shape
+    # Counted at load, before the CPU kernels replaced weights by packed copies; a tied head counted once.
+    layer_params = runner.num_params - embedding - (0 if runner.model.lm_head.is_tied else embedding)
     return ModelCosts(
         layer_params=layer_params,
-        lm_head_params=lm_head.numel(),
+        lm_head_params=embedding,
         kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element,
         attention_flops_per_key=4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim,
-        weight_bytes=(layer_params + lm_head.numel()) * element,
+        weight_bytes=(layer_params + embedding) * element,
     )
 
 

@@ -104,7 +104,7 @@ class ModelRunner:
             self.model: nn.Module = model_class(self.model_config).to(self.dtype)
         load_weights(self.model, config.model_path)
         self.model.eval()
-        num_params = sum(p.numel() for p in self.model.parameters())  # before the kernels repack any
+        self.num_params = sum(p.numel() for p in self.model.parameters())  # before the kernels repack any
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
         self.kv_cache: KVCache | None = None
         self.backend = self._choose_backend()
@@ -116,7 +116,7 @@ class ModelRunner:
             "loaded %s (%s, %.1fM parameters) from %s on %s as %s",
             model_class.__name__,
             self.model_type,
-            num_params / 1e6,
+            self.num_params / 1e6,
             config.model_path,
             self.device,
             config.dtype,
