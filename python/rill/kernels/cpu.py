@@ -193,12 +193,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
+def linear_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes `linear` multiplies here: float32 always, bfloat16 where the build has AVX512-BF16."""
+    return (torch.float32, torch.bfloat16) if load().HAS_AVX512_BF16 else (torch.float32,)
+
+
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [out, in] repacked for `linear`: [ceil(out / 32), in, 32], zero-padded past `out`."""
+    """A weight [out, in] (a dtype of `linear_dtypes()`) repacked for `linear`: float32
+    [ceil(out / 32), in, 32], bfloat16 [ceil(out / 32), ceil(in / 2), 32, 2] (pairs of inputs), zero-padded
+    past `out` (and `in`)."""
     return load().pack_linear(weight)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [rows, in] @ weight [out_features, in]^T in float32, the weight packed by `pack_linear`. Row r of the
-    result depends only on row r of x: the same bits in a batch of 1 or 1000 and on any number of threads."""
+    """x [rows, in] @ weight [out_features, in]^T in x's dtype (the packed weight's), the weight packed by
+    `pack_linear`. Row r of the result depends only on row r of x: the same bits in a batch of 1 or 1000 and
+    on any number of threads. float32: one fused multiply-add per input, in order; bfloat16: one AVX512-BF16
+    pair product per two inputs into a float32 sum, rounded to bfloat16 once."""
     return load().linear(x, packed, out_features)

@@ -1,14 +1,15 @@
 """Linear layers, tensor-parallel, whose per-row results do not depend on how many rows are in the batch.
 
 Invariant: every matmul of activations by a weight goes through `invariant_matmul`, whose row r depends only
-on row r of its input. On the CPU kernels (float32) that is `rill.kernels.cpu.linear`, whose arithmetic per
-output is fixed whatever the row count or thread count; it reads the weight packed once when the backend is
-set (`PackedWeight`), and the layer then keeps only the packed copy. The torch reference pads the row count up
-to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE): CPU GEMM (MKL/oneDNN) picks different kernels for small
-row counts (measured: with 1 thread, 1..15 rows differ bitwise from the same rows inside a 600-row product);
-with 2 threads it also splits some shapes differently at larger row counts (a [1536 -> 576] product differed
-at 64 and 100 rows), which padding cannot fix and the CPU kernel does. In bfloat16, where Rill promises no
-batch invariance, the CPU backend calls torch's matmul as it is (oneDNN, AMX where the CPU has it).
+on row r of its input. On the CPU kernels (float32, and bfloat16 where the CPU has AVX512-BF16) that is
+`rill.kernels.cpu.linear`, whose arithmetic per output is fixed whatever the row count or thread count; it
+reads the weight packed once when the backend is set (`PackedWeight`), and the layer then keeps only the
+packed copy. The torch reference pads the row count up to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE):
+CPU GEMM (MKL/oneDNN) picks different kernels for small row counts (measured: with 1 thread, 1..15 rows differ
+bitwise from the same rows inside a 600-row product); with 2 threads it also splits some shapes differently at
+larger row counts (a [1536 -> 576] product differed at 64 and 100 rows), which padding cannot fix and the CPU
+kernel does. In bfloat16 on a CPU without AVX512-BF16, where Rill promises no batch invariance, the CPU
+backend calls torch's matmul as it is (oneDNN).
 
 Tensor parallelism (Megatron-style, as in vLLM and nano-vllm): a column-parallel layer holds this rank's
 slice of the output features and returns its slice of the output (no communication); a row-parallel layer
@@ -37,17 +38,18 @@ ROW_MULTIPLE = 16
 
 
 class PackedWeight:
-    """A layer's weight [out, in] as its backend multiplies it: on the CPU kernels in float32, packed once
-    (`rill.kernels.cpu.pack_linear`); otherwise the weight as loaded."""
+    """A layer's weight [out, in] as its backend multiplies it: on the CPU kernels, in a dtype they multiply
+    (`rill.kernels.cpu.linear_dtypes`), packed once (`rill.kernels.cpu.pack_linear`); otherwise the weight as
+    loaded."""
 
     def __init__(self, weight: torch.Tensor, backend: Backend) -> None:
         self.backend = backend
         self.out_features = weight.shape[0]
-        self.is_packed = backend is Backend.CPU and weight.dtype == torch.float32
+        self.is_packed = backend is Backend.CPU and weight.dtype in cpu_kernels.linear_dtypes()
         self.tensor = cpu_kernels.pack_linear(weight) if self.is_packed else weight
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ weight.T`, row r depending only on row r of x (float32)."""
+        """`x @ weight.T`, row r depending only on row r of x (float32; bfloat16 when packed)."""
         if self.is_packed:
             return cpu_kernels.linear(x, self.tensor, self.out_features)
         return invariant_matmul(x, self.tensor, self.backend)
@@ -56,7 +58,7 @@ class PackedWeight:
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, backend: Backend = Backend.TORCH) -> torch.Tensor:
     """`x @ weight.T` for x of shape [rows, in] with torch's matmul; in float32 row r of the result depends
     only on row r of x (rows padded to a multiple of ROW_MULTIPLE). The CPU backend multiplies as it is
-    (bfloat16, oneDNN; no invariance promised)."""
+    (bfloat16 without AVX512-BF16, oneDNN; no invariance promised)."""
     if backend is Backend.CPU:
         return x @ weight.T
     num_rows = x.shape[0]

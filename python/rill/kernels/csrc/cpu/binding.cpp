@@ -211,31 +211,60 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   }
 }
 
-// w [N, K] float32 -> [ceil(N / kPanel), K, kPanel], the layout `linear` reads.
+// The packed shape of a weight [N, K] of `dtype`: float32 [ceil(N / kPanel), K, kPanel]; bfloat16
+// [ceil(N / kPanel), ceil(K / 2), kPanel, 2].
+std::vector<int64_t> packed_shape(at::ScalarType dtype, int64_t n, int64_t k) {
+  const int64_t panels = (n + rill_cpu::kPanel - 1) / rill_cpu::kPanel;
+  if (dtype == at::kFloat) return {panels, k, rill_cpu::kPanel};
+  return {panels, (k + 1) / 2, rill_cpu::kPanel, 2};
+}
+
+void check_linear_dtype(const at::Tensor& t, const char* what) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, what, " must be float32 or bfloat16, got ", dtype);
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(dtype == at::kFloat, what, " is bfloat16, which these kernels multiply only on a CPU with AVX512-BF16");
+#endif
+}
+
+// w [N, K] -> the layout `linear` reads (packed_shape).
 at::Tensor pack_linear(const at::Tensor& w) {
   check_cpu(w, "w");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "pack_linear needs a float32 w [N, K], got ",
-              w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(w.dim() == 2, "pack_linear needs a weight [N, K], got ", w.sizes());
+  check_linear_dtype(w, "pack_linear's weight");
   auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1);
-  auto packed = at::empty({(n + rill_cpu::kPanel - 1) / rill_cpu::kPanel, k, rill_cpu::kPanel}, wc.options());
-  rill_cpu::pack_linear(ptr<const float>(wc), ptr<float>(packed), n, k);
+  auto packed = at::empty(packed_shape(wc.scalar_type(), n, k), wc.options());
+  if (wc.scalar_type() == at::kFloat) {
+    rill_cpu::pack_linear(ptr<const float>(wc), ptr<float>(packed), n, k);
+  } else {
+#if defined(__AVX512BF16__)
+    rill_cpu::pack_linear(ptr<const bf16>(wc), ptr<bf16>(packed), n, k);
+#endif
+  }
   return packed;
 }
 
-// x [M, K] @ w^T with w [N, K] packed by pack_linear (float32).
+// x [M, K] @ w^T with w [N, K] packed by pack_linear, in x's dtype (the weight's).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   check_cpu(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear needs a float32 x [M, K], got ",
-              x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() && packed.size(1) == x.size(1) &&
-                  packed.size(2) == rill_cpu::kPanel && packed.size(0) == (n + rill_cpu::kPanel - 1) / rill_cpu::kPanel,
-              "linear needs a weight packed by pack_linear for K = ", x.size(1), " and N = ", n, ", got ",
-              packed.sizes());
+  TORCH_CHECK(x.dim() == 2, "linear needs x [M, K], got ", x.sizes());
+  check_linear_dtype(x, "linear's x");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef(packed_shape(x.scalar_type(), n, x.size(1))),
+              "linear needs a weight of x's dtype packed by pack_linear for K = ", x.size(1), " and N = ", n,
+              ", got ", packed.scalar_type(), " ", packed.sizes());
   auto xc = x.contiguous();
   auto y = at::empty({xc.size(0), n}, xc.options());
   if (xc.size(0) == 0 || n == 0) return y;
-  rill_cpu::linear(ptr<const float>(xc), packed.const_data_ptr<float>(), ptr<float>(y), xc.size(0), xc.size(1), n);
+  if (xc.scalar_type() == at::kFloat) {
+    rill_cpu::linear(ptr<const float>(xc), packed.const_data_ptr<float>(), ptr<float>(y), xc.size(0), xc.size(1), n);
+  } else {
+#if defined(__AVX512BF16__)
+    rill_cpu::linear(ptr<const bf16>(xc), static_cast<const bf16*>(packed.const_data_ptr()), ptr<bf16>(y),
+                     xc.size(0), xc.size(1), n);
+#endif
+  }
   return y;
 }
 

@@ -1,16 +1,19 @@
-// y = x @ w^T in float32 on the CPU, with a result per row that does not depend on how many rows are in x (batch
-// invariance without padding).
+// y = x @ w^T on the CPU in float32 or bfloat16, with a result per row that does not depend on how many rows are in
+// x (batch invariance without padding).
 //
-// Every output y[r, n] is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 in ascending order, starting
-// from zero, whatever the row count, the tile it falls in or the thread that runs it. Tiles only decide which
-// outputs share loads; they never change an output's arithmetic. The portable build runs the same chain with
-// std::fmaf, so it is bitwise equal to the AVX-512 one.
+// Every output y[r, n] is one chain over k = 0, 1, ..., K - 1 in ascending order, starting from zero, whatever the
+// row count, the tile it falls in or the thread that runs it. Tiles only decide which outputs share loads; they
+// never change an output's arithmetic. float32: one fused multiply-add per k (the portable build runs the same
+// chain with std::fmaf, bitwise equal to the AVX-512 one). bfloat16: one AVX512-BF16 `vdpbf16ps` per pair of k
+// (both products added into a float32 accumulator), rounded to bfloat16 once at the end; it needs the CPU's
+// AVX512-BF16 (the binding refuses otherwise and the shard keeps torch's matmul).
 //
-// The weight is packed once (pack_linear) into panels of kPanel = 32 output features, each [K][32]: at step k a
-// tile of up to kMaxRows rows of x broadcasts x[r, k] and multiplies it into the panel's 32 contiguous weights
-// (two AVX-512 vectors), an outer product that needs no horizontal sums. A decode batch is one row block: every
-// thread takes a run of panels and reads each weight from memory once, its rows passing over the panel while it
-// stays in L2. Prefill rows are split into blocks of kRowBlock rows, each against every panel.
+// The weight is packed once (pack_linear) into panels of kPanel = 32 output features. A step of a panel is 128
+// bytes: one k for float32 ([K][32]), a pair of k for bfloat16 ([K/2][32][2], the pairs vdpbf16ps multiplies). At
+// each step a tile of up to kMaxRows rows of x broadcasts its x[r, k] (or pair) and multiplies it into the panel's
+// 32 outputs (two AVX-512 vectors), an outer product that needs no horizontal sums. A decode batch is one row
+// block: every thread takes a run of panels and reads each weight from memory once, its rows passing over the
+// panel while it stays in L2. Prefill rows are split into blocks of kRowBlock rows, each against every panel.
 
 #include <ATen/Parallel.h>
 
@@ -79,9 +82,67 @@ inline void tile(const float* x, int64_t k, const float* panel, const float* nex
 #endif
 }
 
+#if defined(__AVX512BF16__)
+// The bfloat16 tile: as the float32 one, a step being a pair of k (the last pair of an odd K has a zero second
+// half, in x as in the packed weight).
 template <int R>
-inline void tile_rows(int rows, const float* x, int64_t k, const float* panel, const float* next, int64_t every,
-                      float* y, int64_t ldy, int64_t width) {
+inline void tile(const bf16* x, int64_t k, const bf16* panel, const bf16* next, int64_t every, bf16* y,
+                 int64_t ldy, int64_t width) {
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  int64_t countdown = every;
+  int64_t step = 0;
+  for (; step < k / 2; ++step) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + step * 2 * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + step * 2 * kPanel + kPanel);
+    if (next != nullptr && --countdown == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + kPanel), _MM_HINT_T0);
+      next += 2 * kPanel;
+      countdown = every;
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, x + i * k + 2 * step, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
+    }
+  }
+  if (k % 2 != 0) {  // the last k alone: (x, 0) times (w, 0)
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + step * 2 * kPanel);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + step * 2 * kPanel + kPanel);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i * k + k - 1]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
+    }
+  }
+  const __mmask16 low = width >= 16 ? __mmask16(0xffff) : __mmask16((1u << width) - 1u);
+  const __mmask16 high = width >= 32 ? __mmask16(0xffff) : width <= 16 ? 0 : __mmask16((1u << (width - 16)) - 1u);
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    _mm256_mask_storeu_epi16(y + i * ldy, low, (__m256i)_mm512_cvtneps_pbh(acc[i][0]));
+    _mm256_mask_storeu_epi16(y + i * ldy + 16, high, (__m256i)_mm512_cvtneps_pbh(acc[i][1]));
+  }
+}
+#endif
+
+// Elements of one step of a panel (128 bytes), and of a whole packed panel for K inputs.
+template <typename T>
+constexpr int64_t kStepElems = kPanel * (sizeof(float) / sizeof(T));
+template <typename T>
+constexpr int64_t panel_elems(int64_t k) {
+  constexpr int64_t k_per_step = sizeof(float) / sizeof(T);
+  return (k + k_per_step - 1) / k_per_step * kStepElems<T>;
+}
+
+template <int R, typename T>
+inline void tile_rows(int rows, const T* x, int64_t k, const T* panel, const T* next, int64_t every, T* y,
+                      int64_t ldy, int64_t width) {
   if constexpr (R > 1) {
     if (rows < R) return tile_rows<R - 1>(rows, x, k, panel, next, every, y, ldy, width);
   }
@@ -90,19 +151,21 @@ inline void tile_rows(int rows, const float* x, int64_t k, const float* panel, c
 
 // Rows [r_begin, r_end) of x against panel p, in tiles of equal size (at most kMaxRows rows each); together
 // they fetch panel p + 1 (when there is one) for the next call, tile t its t-th share of the steps.
-inline void rows_by_panel(const float* x, const float* packed, float* y, int64_t r_begin, int64_t r_end, int64_t k,
-                          int64_t n, int64_t p) {
+template <typename T>
+inline void rows_by_panel(const T* x, const T* packed, T* y, int64_t r_begin, int64_t r_end, int64_t k, int64_t n,
+                          int64_t p) {
   const int64_t num_rows = r_end - r_begin;
   const int64_t num_tiles = (num_rows + kMaxRows - 1) / kMaxRows;
   const int64_t n0 = p * kPanel;
   const int64_t width = std::min<int64_t>(kPanel, n - n0);
-  const float* panel = packed + p * k * kPanel;
-  const float* next = n0 + kPanel < n ? panel + k * kPanel : nullptr;
+  const int64_t step_elems = kStepElems<T>, steps = panel_elems<T>(k) / step_elems;
+  const T* panel = packed + p * panel_elems<T>(k);
+  const T* next = n0 + kPanel < n ? panel + panel_elems<T>(k) : nullptr;
   const int64_t base = num_rows / num_tiles, extra = num_rows % num_tiles;  // the first `extra` tiles take one more
   int64_t r = r_begin;
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int rows = static_cast<int>(base + (t < extra ? 1 : 0));
-    const float* next_share = next == nullptr ? nullptr : next + (t * k / num_tiles) * kPanel;
+    const T* next_share = next == nullptr ? nullptr : next + (t * steps / num_tiles) * step_elems;
     tile_rows<kMaxRows>(rows, x + r * k, k, panel, next_share, num_tiles, y + r * n + n0, n, width);
     r += rows;
   }
@@ -110,20 +173,28 @@ inline void rows_by_panel(const float* x, const float* packed, float* y, int64_t
 
 }  // namespace
 
-void pack_linear(const float* w, float* packed, int64_t n, int64_t k) {
+template <typename T>
+void pack_linear(const T* w, T* packed, int64_t n, int64_t k) {
+  constexpr int64_t k_per_step = sizeof(float) / sizeof(T);
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      float* panel = packed + p * k * kPanel;
+      T* panel = packed + p * panel_elems<T>(k);
       for (int64_t j = 0; j < kPanel; ++j) {
         const int64_t row = p * kPanel + j;
-        for (int64_t step = 0; step < k; ++step) panel[step * kPanel + j] = row < n ? w[row * k + step] : 0.0f;
+        for (int64_t step = 0; step < panel_elems<T>(k) / kStepElems<T>; ++step) {
+          for (int64_t half = 0; half < k_per_step; ++half) {
+            const int64_t col = step * k_per_step + half;
+            panel[(step * kPanel + j) * k_per_step + half] = row < n && col < k ? w[row * k + col] : T(0);
+          }
+        }
       }
     }
   });
 }
 
-void linear(const float* x, const float* packed, float* y, int64_t m, int64_t k, int64_t n) {
+template <typename T>
+void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n) {
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   if (m <= kRowBlock) {  // decode (and small chunks): the threads split the panels, each weight read once
     at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
@@ -143,5 +214,12 @@ void linear(const float* x, const float* packed, float* y, int64_t m, int64_t k,
     }
   });
 }
+
+template void pack_linear<float>(const float*, float*, int64_t, int64_t);
+template void linear<float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
+#if defined(__AVX512BF16__)
+template void pack_linear<bf16>(const bf16*, bf16*, int64_t, int64_t);
+template void linear<bf16>(const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+#endif
 
 }  // namespace rill_cpu

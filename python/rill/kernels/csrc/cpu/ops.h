@@ -58,13 +58,17 @@ void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, 
 // Output features per panel of a packed weight.
 constexpr int64_t kPanel = 32;
 
-// Packs w [n, k] (row-major float32) into ceil(n / kPanel) panels [k][kPanel], zero past row n: the layout
-// `linear` reads.
-void pack_linear(const float* w, float* packed, int64_t n, int64_t k);
+// Packs w [n, k] (row-major) into ceil(n / kPanel) panels, zero past row n: [k][kPanel] for float32,
+// [ceil(k / 2)][kPanel][2] for bf16 (pairs of k, the last one zero-padded for an odd k). The layout `linear` reads.
+template <typename T>
+void pack_linear(const T* w, T* packed, int64_t n, int64_t k);
 
-// y = x @ w^T for x [m, k], y [m, n] (row-major float32) and w packed by pack_linear. Each output is one fused
-// multiply-add chain over k in ascending order whatever m, the tile it falls in or the thread that computes it
-// (linear.cpp), so a row's result does not depend on the batch. Parallel over torch's intra-op threads.
-void linear(const float* x, const float* packed, float* y, int64_t m, int64_t k, int64_t n);
+// y = x @ w^T for x [m, k], y [m, n] (row-major) and w packed by pack_linear. Each output is one chain over k in
+// ascending order (float32: a fused multiply-add per k; bf16: an AVX512-BF16 pair product per two k, in float32,
+// rounded to bf16 at the end) whatever m, the tile it falls in or the thread that computes it (linear.cpp), so a
+// row's result does not depend on the batch. Parallel over torch's intra-op threads. bf16 exists only in builds
+// with AVX512-BF16 (HAS_AVX512_BF16).
+template <typename T>
+void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n);
 
 }  // namespace rill_cpu
