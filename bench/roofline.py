@@ -132,7 +132,8 @@ def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
 
     layers = [m for m in runner.model.modules() if isinstance(m, Linear | LMHead)]
     # The runner's layers hold packed weights; the same shapes with random values time the same.
-    weights = [torch.randn(m.packed.out_features, m.packed.tensor.shape[1]) for m in layers if m.packed]
+    packed_layers = [m.packed for m in layers if m.packed and m.packed.is_packed]
+    weights = [torch.randn(p.out_features, p.in_features).to(runner.dtype) for p in packed_layers]
     packed = {id(w): cpu_kernels.pack_linear(w) for w in weights}
     ways = {
         "torch padded": lambda x, w: invariant_matmul(x, w, Backend.TORCH),

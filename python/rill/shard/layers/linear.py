@@ -44,7 +44,7 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, backend: Backend) -> None:
         self.backend = backend
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.is_packed = backend is Backend.CPU and weight.dtype in cpu_kernels.linear_dtypes()
         self.tensor = cpu_kernels.pack_linear(weight) if self.is_packed else weight
 

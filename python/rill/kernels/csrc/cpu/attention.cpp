@@ -43,6 +43,9 @@ template <typename T>
 constexpr bool kPairedBf16 = false;
 #endif
 
+// Loads the byte at p and drops it: brings its cache line in.
+inline void touch(const char* p) { asm volatile("" : : "r"(*reinterpret_cast<const volatile char*>(p))); }
+
 struct WorkItem {
   int64_t seq;
   int64_t query_begin;
@@ -243,14 +246,17 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
       s.k_rows[j] = k_pool + offset;
       s.v_rows[j] = v_pool + offset;
     });
-    // The next tile's K/V rows are fetched into cache while this one is computed.
-    const int64_t next_end = std::min(tile_end + kKeyTile, item_hi);
-    for_each_key(tile_end, tile_end, next_end, [&](int64_t, int64_t offset) {
-      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_pool + offset) + byte);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_pool + offset) + byte);
-      }
-    });
+    // The tile's K rows, then its V rows, are read into cache first, a byte per cache line in address order: the
+    // hardware prefetcher follows such a stream, and the loads are independent, so many are in flight at once.
+    // Left to the arithmetic's own order (16 keys' rows side by side, one 64-byte piece each at a time) the same
+    // bytes came from memory at about a third of the speed, and software prefetches of the next tile did not
+    // help (measured: a decode step's attention at batch 16, context 512, 45 -> 32 ms on one thread).
+    for (const T* pool : {k_pool, v_pool}) {
+      for_each_key(tile_start, std::max(tile_start, item_lo), tile_end, [&](int64_t, int64_t offset) {
+        const char* row = reinterpret_cast<const char*>(pool + offset);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) touch(row + byte);
+      });
+    }
     int64_t num_active = 0;
     for (int64_t r = 0; r < num_rows; ++r) {
       s.begin[r] = std::max(s.lo[r], tile_start) - tile_start;
