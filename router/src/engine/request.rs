@@ -28,7 +28,8 @@ pub struct Sequence {
     /// every layer, the leading entries out of the window are the null block 0 (released, held nowhere).
     pub blocks: Vec<u32>,
     /// While swapped out: the host swap-pool blocks holding the K/V of its computed tokens, in position
-    /// order (its device `blocks` are then empty). Empty otherwise.
+    /// order (its device `blocks` are then empty, or only its null entries out of the window). Empty
+    /// otherwise.
     pub host_blocks: Vec<u32>,
     /// Computed tokens it lost to its latest recompute preemption, counted as recomputed at readmission
     /// (less what the prefix cache gives back).
