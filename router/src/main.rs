@@ -21,7 +21,7 @@ use rill_router::{
     engine::{self, preemption_config, EngineConfig, EngineCore, EngineHandle, EngineTask},
     grammar::GrammarCompiler,
     http,
-    kv::KvPool,
+    kv::{self, KvPool},
     metrics,
     scheduler::{BatchingMode, SchedulerConfig},
     shard::{pb, GrpcShards, ShardClient},
@@ -86,6 +86,13 @@ async fn main() -> anyhow::Result<()> {
         prefill_us_per_token = f64::from(warmup.prefill_seconds_per_token) * 1e6,
         "KV pool ready"
     );
+    let kv_window = kv::kv_window(&shard_info.sliding_windows);
+    if kv_window > 0 {
+        tracing::info!(
+            kv_window,
+            "every layer attends through a sliding window: blocks the window has left are released"
+        );
+    }
 
     let engine_config = EngineConfig {
         scheduler: SchedulerConfig {
@@ -101,6 +108,7 @@ async fn main() -> anyhow::Result<()> {
             },
             kv_admission: config.batch.kv_admission,
             max_times_overtaken: MAX_TIMES_OVERTAKEN,
+            kv_window,
         },
         target_itl_ms: config.batch.target_itl_ms,
         max_queue_time: config.batch.max_queue_time,

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub preemptions: IntCounterVec,
     pub swapped_out_blocks: IntCounter,
     pub swapped_in_blocks: IntCounter,
+    /// Blocks running sequences let go of because every layer's sliding window had left them.
+    pub window_released_blocks: IntCounter,
     pub recomputed_tokens: IntCounter,
     pub swapped_sequences: IntGauge,
     pub swap_blocks_total: IntGauge,
@@ -206,6 +208,11 @@ impl Metrics {
                 &registry,
                 "rill_swapped_in_blocks_total",
                 "KV blocks copied back from the host swap pool when swapped sequences resumed",
+            ),
+            window_released_blocks: counter(
+                &registry,
+                "rill_window_released_blocks_total",
+                "KV blocks running sequences released because the sliding window of every layer had left them",
             ),
             recomputed_tokens: counter(
                 &registry,

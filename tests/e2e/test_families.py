@@ -100,6 +100,73 @@ def test_tiny_family_greedy_matches_transformers(default_model: Path, tmp_path: 
         stop_server(server)
 
 
+def tiny_model(default_model: Path, path: Path, model_type: str, **overrides: Any) -> Path:
+    """A tiny random checkpoint of `model_type` with the default model's tokenizer."""
+    from tests.shard.conftest import save_tiny_model
+
+    model_dir = save_tiny_model(
+        path, model_type=model_type, vocab_size=49152, bos_token_id=1, eos_token_id=2, **overrides
+    )
+    for file_name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model / file_name, model_dir / file_name)
+    return model_dir
+
+
+def metric(url: str, name: str) -> float:
+    """A counter's value from `/metrics`."""
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def generate_watching_blocks(server: Any, prompt: str, max_new_tokens: int) -> tuple[list[int], int]:
+    """Greedy tokens of one request, and the most KV blocks `/info` showed sequences holding meanwhile."""
+    import threading
+
+    result: list[list[int]] = []
+    thread = threading.Thread(target=lambda: result.append(generate_ids(server.url, prompt, max_new_tokens)))
+    thread.start()
+    max_used_blocks = 0
+    while thread.is_alive():
+        max_used_blocks = max(max_used_blocks, server.info()["kv"]["used_blocks"])
+        thread.join(timeout=0.02)
+    return result[0], max_used_blocks
+
+
+def test_all_windowed_model_holds_only_its_window(default_model: Path, tmp_path: Path) -> None:
+    """A Mistral v0.1-style model (every layer windowed, 32 tokens) on blocks of 16: generating far past
+    the window gives transformers' tokens while the sequence holds at most ceil(32 / 16) + 2 blocks (a
+    plain model's grow with its context); the same prompt again hits the prefix cache (a complete chain,
+    kept by the cache after the sequence let go) and gives the same tokens."""
+    window, block_size, max_new_tokens = 32, 16, 160
+    prompt = f"{PROMPT} {PROMPT}"
+    args = ("--max-batch-tokens", "64", "--max-batch-size", "4", "--kv-block-size", str(block_size))
+    used_blocks = {}
+    for name, sliding_window in [("windowed", window), ("plain", None)]:
+        model_dir = tiny_model(default_model, tmp_path / name, "mistral", sliding_window=sliding_window)
+        expected, prompt_len = hf_greedy(model_dir, prompt, max_new_tokens)
+        assert prompt_len > window and len(expected) > 4 * window
+        server = start_server(model_dir, tmp_path, *args)
+        try:
+            tokens, used_blocks[name] = generate_watching_blocks(server, prompt, max_new_tokens)
+            assert tokens == expected, name
+            info = server.wait_idle()
+            if sliding_window:
+                assert info["kv"]["kv_window"] == window
+                num_released = info["kv"]["window_released_blocks"]
+                assert num_released >= (prompt_len + len(expected) - window) // block_size - 1
+                hits = metric(server.url, "rill_prefix_cache_hit_tokens_total")
+                assert generate_ids(server.url, prompt, max_new_tokens) == expected
+                assert metric(server.url, "rill_prefix_cache_hit_tokens_total") - hits >= window
+            else:
+                assert info["kv"]["kv_window"] == 0 and info["kv"]["window_released_blocks"] == 0
+        finally:
+            stop_server(server)
+    assert used_blocks["windowed"] <= -(-window // block_size) + 2, used_blocks
+    assert used_blocks["plain"] >= (prompt_len + len(expected)) // block_size - 1, used_blocks
+
+
 @pytest.fixture
 def opted_in(request: pytest.FixtureRequest) -> None:
     if "real_weights" not in (request.config.getoption("markexpr") or ""):

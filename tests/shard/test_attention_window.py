@@ -44,3 +44,45 @@ def test_window_and_softcap_match_reference_and_chunking(window: int, softcap: f
             q[start:end], k[:end], v[:end], positions[start:end], scale, 4, window, softcap
         )
         assert torch.equal(part, full[start:end])
+
+
+@pytest.mark.parametrize("chunk", [(30, 40), (39, 40)])
+def test_released_blocks_out_of_the_window_are_never_read(chunk: tuple[int, int]) -> None:
+    """With every layer windowed, the router sends the blocks the window has left as the null block 0,
+    whose contents are garbage: the torch path and the CPU kernel give bitwise what the real blocks give."""
+    from rill.kernels import cpu
+
+    torch.manual_seed(1)
+    block_size, window, head_dim, context_len = 4, 9, 16, 40
+    num_blocks = context_len // block_size + 1
+    k_pool = torch.randn(num_blocks, block_size, 2, head_dim)
+    v_pool = torch.randn(num_blocks, block_size, 2, head_dim)
+    k_pool[0] = float("nan")
+    v_pool[0] = float("nan")
+    start, end = chunk
+    q = torch.randn(end - start, 4, head_dim)
+    positions = torch.arange(start, end)
+    scale = 1 / math.sqrt(head_dim)
+    table = torch.arange(1, num_blocks)
+    released = table.clone()
+    num_dead = (start + 1 - window) // block_size
+    released[:num_dead] = 0
+    assert num_dead > 0
+
+    def torch_path(blocks: torch.Tensor) -> torch.Tensor:
+        k = k_pool[blocks].flatten(0, 1)[:end]
+        v = v_pool[blocks].flatten(0, 1)[:end]
+        return tiled_causal_attention(q, k, v, positions, scale, 16, window)
+
+    expected = torch_path(table)
+    assert not expected.isnan().any()
+    assert torch.equal(torch_path(released), expected)
+    if cpu.is_available():
+        cu_seqlens_q = torch.tensor([0, end - start], dtype=torch.int32)
+
+        def kernel(blocks: torch.Tensor) -> torch.Tensor:
+            return cpu.paged_attention(
+                q, k_pool, v_pool, blocks[None], cu_seqlens_q, positions, scale, sliding_window=window
+            )
+
+        assert torch.equal(kernel(released), kernel(table))

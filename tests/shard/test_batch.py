@@ -74,3 +74,20 @@ def test_store_kv_scatters_into_slots() -> None:
     assert torch.equal(cache.k[1][2, 1], k[0]) and torch.equal(cache.k[1][1, 0], k[1])
     assert torch.equal(cache.v[1][2, 1], -k[0])
     assert cache.k[0].abs().sum() == 0
+
+
+def test_null_blocks_only_out_of_an_all_layer_window() -> None:
+    """With every layer windowed (8 tokens), a query at position 13 reads positions 6..13: blocks 0 (0..3)
+    may be the null block (the router released it), block 1 (4..7) may not."""
+    windowed = BatchLimits(
+        vocab_size=100, max_position_embeddings=64, block_size=4, num_blocks=10, kv_window=8
+    )
+    chunk = seq(token_ids=[1], num_computed_tokens=13, block_table=[0, 5, 6, 7])
+    batch = BatchState.prepare([chunk], set(), windowed, CPU)
+    assert batch.slot_mapping.tolist() == [7 * 4 + 1]
+    with pytest.raises(ValueError, match="null block"):
+        BatchState.prepare(
+            [seq(token_ids=[1], num_computed_tokens=13, block_table=[0, 0, 6, 7])], set(), windowed, CPU
+        )
+    with pytest.raises(ValueError, match="null block"):
+        BatchState.prepare([chunk], set(), LIMITS, CPU)

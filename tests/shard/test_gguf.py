@@ -2,7 +2,8 @@
 error for a missing file, and a tiny Llama written as a GGUF (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; llama.cpp's q/k
 row order; the default model's tokenizer metadata) converted into a folder whose weights are the originals
 within each type's rounding and which Rill serves as transformers does. gguf-py cannot write K-quants:
-Q4_K and Q6_K run in the opt-in Gemma 3 270M test, Q5_K in none yet."""
+Q5_K is written by this file's own encoder (`quantize_q5_k`, checked against gguf-py's de-quantizer, then in
+a tiny Llama); Q4_K and Q6_K run in the opt-in Gemma 3 270M test."""
 
 from __future__ import annotations
 
@@ -63,9 +64,12 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_tiny_llama_gguf(hf_dir: Path, tokenizer_source: Path, path: Path) -> dict[str, str]:
-    """The tiny HF llama in `hf_dir` as a GGUF file (2-D weights quantized, cycling through QUANT_CYCLE) with
-    the tokenizer metadata of `tokenizer_source`; returns each HF weight's quantisation type."""
+def write_tiny_llama_gguf(
+    hf_dir: Path, tokenizer_source: Path, path: Path, quant_cycle: tuple[str, ...] = QUANT_CYCLE
+) -> dict[str, str]:
+    """The tiny HF llama in `hf_dir` as a GGUF file (2-D weights quantized, cycling through `quant_cycle`;
+    Q5_K by `quantize_q5_k`) with the tokenizer metadata of `tokenizer_source`; returns each HF weight's
+    quantisation type."""
     import json
 
     from gguf import GGUFReader
@@ -112,9 +116,13 @@ def write_tiny_llama_gguf(hf_dir: Path, tokenizer_source: Path, path: Path) -> d
         if weight.ndim == 1:
             writer.add_tensor(gguf_name, weight)
             continue
-        types[name] = QUANT_CYCLE[i % len(QUANT_CYCLE)]
+        types[name] = quant_cycle[i % len(quant_cycle)]
         quant_type = GGMLQuantizationType[types[name]]
-        writer.add_tensor(gguf_name, quants.quantize(weight, quant_type), raw_dtype=quant_type)
+        if quant_type == GGMLQuantizationType.Q5_K:
+            data = quantize_q5_k(weight)[0]
+        else:
+            data = quants.quantize(weight, quant_type)
+        writer.add_tensor(gguf_name, data, raw_dtype=quant_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -148,3 +156,97 @@ def test_tiny_llama_gguf_is_dequantized_and_served_like_transformers(tmp_path: P
     hf_model(model_dir)  # transformers loads the folder
     check_against_hf(model_dir)
     assert torch.equal(converted["model.norm.weight"], original["model.norm.weight"])
+
+
+QK_K = 256  # values per K-quant super-block
+Q5_K_BLOCK_BYTES = 2 + 2 + 12 + QK_K // 8 + QK_K // 2  # d, dmin, 6-bit scales/mins, high bits, low nibbles
+
+
+def quantize_q5_k(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGML's Q5_K of float32 `values` [rows, cols] (cols a multiple of 256), written from its block layout
+    (a plain min/max fit, not llama.cpp's search): per super-block of 256, fp16 `d` and `dmin`, then 8
+    sub-blocks of 32 with a 6-bit scale `sc` and min `m` each, and 5-bit quants `q`, so that
+    x ≈ d * sc * q - dmin * m. Returns the bytes [rows, cols / 256 * 176] and the values they encode."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, sub-blocks, values]
+    sub_min = np.maximum(0.0, -x.min(axis=2))  # subtracted, so >= 0
+    sub_scale = (x.max(axis=2) + sub_min) / 31
+    d = (sub_scale.max(axis=1) / 63).astype(np.float16)
+    dmin = (sub_min.max(axis=1) / 63).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.rint(sub_scale / d32), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin32 > 0, np.rint(sub_min / dmin32), 0).clip(0, 63).astype(np.uint8)
+        step = (d32 * sc.astype(np.float32))[:, :, None]
+        offset = (dmin32 * m.astype(np.float32))[:, :, None]
+        q = np.where(step > 0, np.rint((x + offset) / step), 0).clip(0, 31).astype(np.uint8)
+    decoded = step * q.astype(np.float32) - offset
+    # Scales and mins, 12 bytes: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins);
+    # sub-blocks 4-7 as low nibbles (scale) and high nibbles (min) of bytes 8-11, their top 2 bits in the
+    # top 2 bits of bytes 0-3 (scales) and 4-7 (mins).
+    packed = np.zeros((x.shape[0], 12), np.uint8)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    # Sub-block 2k takes the low nibbles of low-bit bytes [32k, 32k + 32), sub-block 2k + 1 their high
+    # nibbles; value l of sub-block i has its fifth bit in bit i of high-bit byte l.
+    low = (q & 15).reshape(-1, 4, 2, 32)
+    nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    high_bits = ((q >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(
+        axis=1, dtype=np.uint8
+    )
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, high_bits, nibbles],
+        axis=1,
+    )
+    assert blocks.shape[1] == Q5_K_BLOCK_BYTES
+    return blocks.reshape(rows, -1), decoded.reshape(rows, cols)
+
+
+def test_q5_k_encoder_matches_gguf_py_dequantizer() -> None:
+    """The bytes decode, through gguf-py, to exactly the values the encoder meant, within 5-bit rounding of
+    the inputs; every byte field is exercised (scales and mins of all 8 sub-blocks, all 5 quant bits)."""
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((6, 512)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1)).astype(
+        np.float32
+    )
+    values[0, :256] = np.abs(values[0, :256])  # a super-block with no negative value: mins of 0
+    values[1, 256:] = 0.0  # an all-zero super-block: d = dmin = 0
+    data, decoded = quantize_q5_k(values)
+    assert data.shape == (6, 2 * Q5_K_BLOCK_BYTES)
+    dequantized = quants.dequantize(data, GGMLQuantizationType.Q5_K)
+    np.testing.assert_array_equal(dequantized, decoded)
+    step = (values.max(axis=1) - np.minimum(0, values.min(axis=1))) / 31
+    assert (np.abs(dequantized - values) <= step[:, None]).all()
+    assert (np.abs(dequantized - values).max(axis=1) < 0.06 * np.abs(values).max(axis=1)).all()
+
+
+def test_tiny_llama_with_q5_k_tensors_loads_like_transformers(tmp_path: Path) -> None:
+    """Q5_K and Q8_0 tensors in a tiny Llama: Rill's conversion de-quantizes each Q5_K weight to exactly
+    what the encoder put in it (q/k rows back in HF order), and serves the folder as transformers does."""
+    from rill.shard.default_model import find_gguf
+    from safetensors.torch import load_file
+
+    from .conftest import save_tiny_model
+    from .test_models import check_against_hf
+
+    hf_dir = save_tiny_model(tmp_path / "hf", vocab_size=49152, hidden_size=256, intermediate_size=512)
+    types = write_tiny_llama_gguf(hf_dir, find_gguf(), tmp_path / "tiny.gguf", quant_cycle=("Q5_K", "Q8_0"))
+    assert {"Q5_K", "Q8_0"} == set(types.values())
+    model_dir = ensure_gguf_model(tmp_path / "tiny.gguf", cache_dir=tmp_path / "cache")
+    original, converted = load_file(hf_dir / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    num_heads = {"q_proj": 4, "k_proj": 2}  # the tiny config's attention and KV heads
+    for name, quant_type in types.items():
+        if quant_type != "Q5_K":
+            continue
+        weight = original[name].numpy()
+        heads = next((n for part, n in num_heads.items() if part in name), None)
+        if heads is None:
+            expected = quantize_q5_k(weight)[1]
+        else:  # encoded in llama.cpp's row order; the converter undoes it, as the inverse permutation here
+            rows, cols = weight.shape
+            permuted = quantize_q5_k(llama_cpp_permute(weight, heads))[1]
+            expected = permuted.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+        np.testing.assert_array_equal(converted[name].numpy(), expected, err_msg=name)
+        assert np.abs(expected - weight).max() < 0.05, name
+    check_against_hf(model_dir)

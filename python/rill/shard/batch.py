@@ -69,6 +69,9 @@ class BatchLimits:
     max_position_embeddings: int
     block_size: int
     num_blocks: int
+    # The sliding window of every layer when all have one (the smallest), else 0: block-table entries
+    # wholly out of each chunk's first query's window may then be the null block 0 (the router released them).
+    kv_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -186,11 +189,17 @@ def _validate(
             f"{where}: block_table has {len(seq.block_table)} blocks but positions [0, {context_len}) need "
             f"{num_blocks_needed} of {limits.block_size} tokens"
         )
-    bad_blocks = [b for b in seq.block_table if not 0 < b < limits.num_blocks]
+    # Entries before the first query's window (every position < num_computed_tokens - (window - 1)) are
+    # never read, and may be the null block 0.
+    num_unread = (
+        max(0, seq.num_computed_tokens + 1 - limits.kv_window) // limits.block_size if limits.kv_window else 0
+    )
+    bad_blocks = [b for b in seq.block_table[num_unread:] if not 0 < b < limits.num_blocks]
+    bad_blocks += [b for b in seq.block_table[:num_unread] if not 0 <= b < limits.num_blocks]
     if bad_blocks:
         raise ValueError(
             f"{where}: block_table ids {bad_blocks[:5]} out of range [1, {limits.num_blocks}) "
-            "(block 0 is the null block)"
+            "(block 0 is the null block, allowed only for blocks out of every layer's sliding window)"
         )
 
 

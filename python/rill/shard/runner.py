@@ -148,6 +148,13 @@ class ModelRunner:
         return self.model_config.vocab_size
 
     @property
+    def kv_window(self) -> int:
+        """The sliding window of every layer when all have one (the smallest), else 0: the router then
+        releases blocks out of the window and sends them as the null block 0 (the router's `kv_window`)."""
+        windows = self.model_config.layer_windows
+        return min(windows) if windows and all(windows) else 0
+
+    @property
     def max_position_embeddings(self) -> int:
         return self.model_config.max_position_embeddings
 
@@ -386,6 +393,7 @@ class ModelRunner:
             max_position_embeddings=self.max_position_embeddings if check_lengths else 2**62,
             block_size=self.config.block_size,
             num_blocks=self.kv_cache.num_blocks,
+            kv_window=self.kv_window,
         )
         batch = BatchState.prepare(request.sequences, self.params_by_id, limits, self.device)
         self.history.record(request.sequences, self.params_by_id)

@@ -237,6 +237,12 @@ pub struct KvInfo {
     pub running_requests: u32,
     /// Prompt tokens computed by the shards since start (prefix-cache hits and shared prompts excluded).
     pub prompt_tokens_computed: u64,
+    /// The sliding window (tokens) after which running sequences release their blocks: the model's when
+    /// every layer is windowed, else 0 (every block is kept while its sequence runs).
+    pub kv_window: u32,
+    /// Blocks running sequences released since start because the window had left them (they went to the
+    /// prefix cache, or were freed).
+    pub window_released_blocks: u64,
 }
 
 /// Error body of the native API.

@@ -13,8 +13,10 @@ use crate::{
 };
 
 impl EngineCore {
-    /// Asks the scheduler for the step's plan, with views of every sequence as they are `now`.
+    /// Asks the scheduler for the step's plan, with views of every sequence as they are `now`; first,
+    /// running sequences let go of the blocks their sliding window has left.
     pub(super) fn plan(&mut self, now: Instant) -> StepPlan {
+        self.release_out_of_window();
         let running: Vec<_> = self
             .running
             .iter()
@@ -30,6 +32,33 @@ impl EngineCore {
             self.kv.num_available_blocks(),
             self.swap.num_free_blocks() as usize,
         )
+    }
+
+    /// With a sliding window on every layer: each running sequence releases the blocks no future query
+    /// of it reads (their entries become the null block 0; the prefix cache keeps them, see `KvPool`). A
+    /// sequence whose choices still wait to fork off its prompt keeps its blocks until they do (a choice
+    /// restarts a little before the end of the prompt, whose window may reach further back).
+    fn release_out_of_window(&mut self) {
+        if self.scheduler.config.kv_window == 0 {
+            return;
+        }
+        let mut activity = CacheActivity::default();
+        let mut num_released = 0;
+        for seq in &mut self.running {
+            if !seq.forks.is_empty() {
+                continue;
+            }
+            let num_dead_blocks = self.scheduler.config.num_dead_blocks(seq.num_computed_tokens);
+            num_released += self.kv.release_out_of_window(
+                seq.cache_salt(),
+                &seq.token_ids[..seq.num_computed_tokens],
+                &mut seq.blocks,
+                num_dead_blocks,
+                &mut activity,
+            );
+        }
+        self.count_cache_activity(activity);
+        self.metrics.window_released_blocks.inc_by(num_released as u64);
     }
 
     /// Views of the waiting requests for the scheduler. A request in the scheduler's look-up window not yet
@@ -124,10 +153,12 @@ impl EngineCore {
             self.waiting.push_front(seq);
             return;
         }
+        // Only the blocks it holds are copied; its null entries (out of the window) stay in its table.
         let num_blocks = seq.num_computed_tokens.div_ceil(self.scheduler.config.block_size);
+        let num_null_blocks = seq.num_null_blocks();
         let (host_blocks, copies) = self
             .swap
-            .swap_out(&seq.blocks[..num_blocks])
+            .swap_out(&seq.blocks[num_null_blocks..num_blocks])
             .expect("the scheduler swaps only when the host blocks are free");
         self.metrics.swapped_out_blocks.inc_by(copies.len() as u64);
         self.swap_out.extend(copies.into_iter().map(to_pb));
@@ -135,7 +166,8 @@ impl EngineCore {
         // The device blocks go back like a finished sequence's (cached, or to their other holders); the
         // sequence keeps its computed tokens and its state on the shards.
         self.cache_computed(&seq);
-        self.kv.release(&std::mem::take(&mut seq.blocks));
+        let blocks = std::mem::replace(&mut seq.blocks, vec![0; num_null_blocks]);
+        self.kv.release(&blocks);
         self.swapped.push_back(seq);
     }
 

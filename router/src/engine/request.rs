@@ -24,10 +24,12 @@ pub struct Sequence {
     pub num_computed_tokens: usize,
     /// Prompt tokens whose K/V this sequence reused instead of computing (shared with a sibling).
     pub num_cached_tokens: usize,
-    /// KV block ids in position order; some may be shared with other sequences.
+    /// KV block ids in position order; some may be shared with other sequences. With a sliding window on
+    /// every layer, the leading entries out of the window are the null block 0 (released, held nowhere).
     pub blocks: Vec<u32>,
     /// While swapped out: the host swap-pool blocks holding the K/V of its computed tokens, in position
-    /// order (its device `blocks` are then empty). Empty otherwise.
+    /// order (its device `blocks` are then empty, or only its null entries out of the window). Empty
+    /// otherwise.
     pub host_blocks: Vec<u32>,
     /// Computed tokens it lost to its latest recompute preemption, counted as recomputed at readmission
     /// (less what the prefix cache gives back).
@@ -128,6 +130,7 @@ impl Sequence {
             num_tokens: self.token_ids.len(),
             num_computed_tokens: self.num_computed_tokens,
             num_blocks: self.blocks.len(),
+            num_null_blocks: self.num_null_blocks(),
             num_freeable_blocks,
             priority: self.request.priority,
             num_times_overtaken: self.num_times_overtaken,
@@ -136,6 +139,11 @@ impl Sequence {
             is_deferred: false,
             max_num_tokens: self.num_prompt_tokens + self.request.max_new_tokens as usize,
         }
+    }
+
+    /// Leading block-table entries released out of the sliding window (the null block 0).
+    pub fn num_null_blocks(&self) -> usize {
+        self.blocks.iter().take_while(|&&block| block == 0).count()
     }
 
     /// The prefix-cache namespace of this request (0 when it gave no `cache_salt`).
@@ -247,6 +255,10 @@ impl Sequence {
         debug_assert_eq!(child.token_ids, self.token_ids[..self.num_prompt_tokens]);
         let num_shared_blocks = (self.num_prompt_tokens - 1) / block_size;
         child.blocks = self.blocks[..num_shared_blocks].to_vec();
+        debug_assert!(
+            !child.blocks.contains(&0),
+            "a sequence with forks releases nothing out of its window"
+        );
         child.num_computed_tokens = num_shared_blocks * block_size;
         child.num_cached_tokens = child.num_computed_tokens;
         child.queue_span = None; // a choice starts with its parent's prompt, without queueing

@@ -14,6 +14,7 @@ use crate::api::{
     TokenizeResponse,
 };
 use crate::engine::EngineError;
+use crate::kv::kv_window;
 
 /// Liveness: 200 while the router and its engine task run; 503 once the engine task has died (the
 /// router then exits, for its supervisor to restart it).
@@ -102,6 +103,8 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
             waiting_requests: metrics.queue_depth.get() as u32,
             running_requests: metrics.running_sequences.get() as u32,
             prompt_tokens_computed: metrics.prompt_tokens_computed.get(),
+            kv_window: kv_window(&state.shard_info.sliding_windows) as u32,
+            window_released_blocks: metrics.window_released_blocks.get(),
         },
         memory: state.memory.clone(),
         version: env!("CARGO_PKG_VERSION"),

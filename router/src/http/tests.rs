@@ -75,18 +75,24 @@ async fn server_with_mode(num_blocks: u32, max_concurrent_requests: u32, mode: B
         mode,
         preemption,
         KvAdmission::Incremental,
+        0,
     )
     .await
 }
 
+/// A test server; `window` > 0: the fake model attends through a sliding window of that many tokens on
+/// every layer.
 async fn server_with(
     num_blocks: u32,
     max_concurrent_requests: u32,
     mode: BatchingMode,
     preemption: PreemptionConfig,
     kv_admission: KvAdmission,
+    window: u32,
 ) -> TestServer {
-    let shard = FakeShard::new(num_blocks, 4).with_swap_pool(preemption.num_host_blocks);
+    let shard = FakeShard::new(num_blocks, 4)
+        .with_swap_pool(preemption.num_host_blocks)
+        .with_window(window);
     let shards: Arc<dyn ShardClient> = Arc::new(shard.clone());
     let shard_info = shards.info().await.expect("fake info");
     let limits = LimitsConfig {
@@ -120,6 +126,7 @@ async fn server_with(
             mode,
             kv_admission,
             max_times_overtaken: 8,
+            kv_window: crate::kv::kv_window(&shard_info.sliding_windows),
         },
         target_itl_ms: None,
         max_queue_time: None,
@@ -784,6 +791,16 @@ async fn static_batches_wait_then_run_to_completion() {
 /// gets exactly its own tokens (the fake shard also checks every block table holds what it computed, so a
 /// lost or misplaced swap fails the request), and the pool and the swap pool are whole when idle.
 async fn run_under_memory_pressure(mode: PreemptionMode, kv_admission: KvAdmission) -> TestServer {
+    run_under_memory_pressure_windowed(mode, kv_admission, 0).await
+}
+
+/// `run_under_memory_pressure` for a fake model whose every layer has a sliding window of `window` tokens
+/// (0: none).
+async fn run_under_memory_pressure_windowed(
+    mode: PreemptionMode,
+    kv_admission: KvAdmission,
+    window: u32,
+) -> TestServer {
     let preemption = PreemptionConfig {
         mode,
         num_host_blocks: 20,
@@ -792,7 +809,7 @@ async fn run_under_memory_pressure(mode: PreemptionMode, kv_admission: KvAdmissi
             prefill_seconds_per_token: 1e-4,
         },
     };
-    let server = server_with(13, 64, BatchingMode::Continuous, preemption, kv_admission).await;
+    let server = server_with(13, 64, BatchingMode::Continuous, preemption, kv_admission, window).await;
     let mut tasks = Vec::new();
     for i in 0..16u32 {
         let app = server.app.clone();
@@ -845,6 +862,63 @@ async fn recompute_preemption_counts_recomputed_tokens() {
 async fn auto_swaps_when_copying_is_cheaper() {
     let server = run_under_memory_pressure(PreemptionMode::Auto, KvAdmission::Incremental).await;
     assert!(preemptions(&server, "swap") > 0);
+}
+
+#[tokio::test]
+async fn windowed_sequences_survive_swap_and_recompute_preemption() {
+    // Window 6 on blocks of 4: each sequence decodes holding at most 3 blocks, 16 of them still outgrow
+    // the 12 blocks; its null entries are never swapped, and every output is exact.
+    for mode in [PreemptionMode::Swap, PreemptionMode::Recompute] {
+        let server = run_under_memory_pressure_windowed(mode, KvAdmission::Incremental, 6).await;
+        assert!(preemptions(&server, "swap") + preemptions(&server, "recompute") > 0);
+        let metrics = &server.state.engine.metrics;
+        assert!(metrics.window_released_blocks.get() > 0);
+        assert_eq!(metrics.swapped_in_blocks.get(), metrics.swapped_out_blocks.get());
+        assert!(
+            server.shard.max_decode_blocks() <= 3,
+            "{}",
+            server.shard.max_decode_blocks()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_long_windowed_sequence_holds_only_its_window_and_its_prefix_still_hits() {
+    let preemption = PreemptionConfig {
+        mode: PreemptionMode::Recompute,
+        num_host_blocks: 0,
+        costs: PreemptionCosts::default(),
+    };
+    let window = 8;
+    let server = server_with(
+        64,
+        8,
+        BatchingMode::Continuous,
+        preemption,
+        KvAdmission::Incremental,
+        window,
+    )
+    .await;
+    let prompt: Vec<String> = (0..40).map(|i| format!("w{}", i % 30)).collect();
+    let prompt = prompt.join(" ");
+    let first = generate(&server.app, &prompt, 80).await;
+    // A decode at position p holds blocks from (p + 1 - 8) / 4 to p / 4: at most ceil(8 / 4) + 1.
+    assert!(
+        server.shard.max_decode_blocks() <= 3,
+        "{}",
+        server.shard.max_decode_blocks()
+    );
+    let metrics = &server.state.engine.metrics;
+    // The fake counts up to its EOS: 40 prompt and 22 generated tokens, the first 13 blocks released.
+    assert_eq!(first["details"]["generated_tokens"], 22);
+    assert_eq!(metrics.window_released_blocks.get(), 13);
+    // The released blocks went to the prefix cache: the same prompt again reuses a complete chain from
+    // its start, and gets the same tokens.
+    let hits_before = metrics.prefix_cache_hit_tokens.get();
+    let second = generate(&server.app, &prompt, 80).await;
+    assert_eq!(first["details"]["tokens"], second["details"]["tokens"]);
+    assert_eq!(metrics.prefix_cache_hit_tokens.get() - hits_before, 36);
+    assert_eq!(idle_free_blocks(&server).await, 63);
 }
 
 #[tokio::test]

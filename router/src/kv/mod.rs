@@ -12,3 +12,33 @@ pub use block_allocator::BlockAllocator;
 pub use pool::{CacheActivity, KvPool};
 pub use radix::{PrefixMatch, RadixCache};
 pub use swap::{BlockCopy, SwapPool};
+
+/// The sliding window (tokens) after which a running sequence's blocks are released, from the per-layer
+/// windows the shard reports in Info (0 = full attention): the smallest window when every layer has one,
+/// else 0 (a full-attention layer reads every position, so no block may go). Mixed models (Gemma 3's
+/// local and global layers) therefore keep every block: that saving needs a block table per layer group.
+pub fn kv_window(sliding_windows: &[u32]) -> usize {
+    if sliding_windows.is_empty() || sliding_windows.contains(&0) {
+        return 0;
+    }
+    sliding_windows
+        .iter()
+        .copied()
+        .min()
+        .map_or(0, |window| window as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_an_all_windowed_model_releases_blocks() {
+        assert_eq!(super::kv_window(&[32, 32, 32]), 32);
+        assert_eq!(super::kv_window(&[64, 32]), 32, "the smallest window");
+        assert_eq!(
+            super::kv_window(&[512, 0, 512]),
+            0,
+            "a full-attention layer keeps every block"
+        );
+        assert_eq!(super::kv_window(&[]), 0);
+    }
+}

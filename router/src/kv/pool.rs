@@ -5,6 +5,16 @@
 //! whose block tables name it and, at most once, the prefix cache. A cached block that no sequence holds
 //! (reference count 1) is *evictable*: it still serves prefix hits, and it is evicted, least recently
 //! used first, only when an allocation finds the free list short. So "available" = free + evictable.
+//!
+//! Sliding windows: when every layer of the model attends through a window of `W` tokens, a sequence's
+//! block whose every position is out of the next query's window (its last position `p` has
+//! `p < next_position - (W - 1)`) is never read again. [`KvPool::release_out_of_window`] lets go of such
+//! blocks and their block-table entries become the null block 0 (the shards never read them: every
+//! attention path skips keys out of the window). The policy for the prefix cache: before letting go, the
+//! sequence enters its full blocks into the cache, so the cache's own reference keeps them alive
+//! (evictable, like any cached block nobody holds) and a later prompt with the same prefix still hits. A
+//! cached path is always a complete chain from the root: an insertion stops at the first null entry whose
+//! block the cache no longer has (evicted meanwhile), so a hit never includes a released block.
 
 use super::{BlockAllocator, PrefixMatch, RadixCache};
 
@@ -91,13 +101,15 @@ impl KvPool {
         self.allocator.allocate(num_blocks as u32)
     }
 
-    /// Drops a sequence's hold on its blocks.
+    /// Drops a sequence's hold on its blocks; null entries (released out of a sliding window) hold nothing
+    /// and are skipped.
     pub fn release(&mut self, blocks: &[u32]) {
+        let blocks: Vec<u32> = blocks.iter().copied().filter(|&b| b != 0).collect();
         self.allocator
-            .free(blocks)
+            .free(&blocks)
             .expect("a sequence only holds blocks it was given");
         if let Some(cache) = self.cache.as_mut() {
-            for &block in blocks {
+            for &block in &blocks {
                 if self.allocator.ref_count(block) == 1 {
                     cache.set_held(block, false);
                 }
@@ -114,6 +126,33 @@ impl KvPool {
         let added = cache.insert(salt, &tokens[..num_tokens], &blocks[..num_full_blocks]);
         self.allocator.share(&added).expect("a sequence caches blocks it holds");
         activity.num_inserted_blocks += added.len();
+    }
+
+    /// Lets go of a sequence's first `num_dead_blocks` blocks, out of every future query's sliding window:
+    /// their full blocks (`tokens` are the sequence's computed tokens) enter the prefix cache first, then
+    /// the sequence's hold is dropped and their entries become the null block 0. Entries already null are
+    /// skipped. Returns how many blocks the sequence let go of.
+    pub fn release_out_of_window(
+        &mut self,
+        salt: u64,
+        tokens: &[u32],
+        blocks: &mut [u32],
+        num_dead_blocks: usize,
+        activity: &mut CacheActivity,
+    ) -> usize {
+        let num_dead_blocks = num_dead_blocks.min(blocks.len());
+        let dead = &mut blocks[..num_dead_blocks];
+        if dead.iter().all(|&b| b == 0) {
+            return 0;
+        }
+        if let Some(block_size) = self.cache.as_ref().map(RadixCache::block_size) {
+            let num_tokens = (num_dead_blocks * block_size).min(tokens.len());
+            self.cache(salt, &tokens[..num_tokens], dead, activity);
+        }
+        let released: Vec<u32> = dead.iter().copied().filter(|&b| b != 0).collect();
+        self.release(&released);
+        dead.fill(0);
+        released.len()
     }
 
     /// How many of a sequence's blocks would become available if it let go of them: those it alone holds,
@@ -197,6 +236,73 @@ mod tests {
         pool.release(&evicting);
         pool.check_invariants();
         assert_eq!(pool.num_free_blocks(), 4);
+    }
+
+    /// A sequence of `num_tokens` tokens decoded one by one with a window of `window` tokens on blocks of
+    /// 2, releasing out of the window before each step as the engine does; returns its block table.
+    fn decode_windowed(pool: &mut KvPool, tokens: &[u32], window: usize, max_held: usize) -> Vec<u32> {
+        let block_size = 2;
+        let mut activity = CacheActivity::default();
+        let mut blocks: Vec<u32> = Vec::new();
+        for next in 0..tokens.len() {
+            let num_dead = (next + 1).saturating_sub(window) / block_size;
+            pool.release_out_of_window(0, &tokens[..next], &mut blocks, num_dead, &mut activity);
+            if blocks.len() * block_size <= next {
+                blocks.extend(pool.allocate(1, &mut activity).expect("room"));
+            }
+            let num_held = blocks.iter().filter(|&&b| b != 0).count();
+            assert!(num_held <= max_held, "{num_held} blocks held at position {next}");
+            assert!(blocks[..num_dead].iter().all(|&b| b == 0));
+            pool.check_invariants();
+        }
+        blocks
+    }
+
+    #[test]
+    fn a_windowed_sequence_holds_its_window_and_the_cache_keeps_whole_chains() {
+        // Window 5 on blocks of 2: at most ceil(5 / 2) + 1 = 4 blocks held at once.
+        let mut pool = KvPool::new(41, 2, true);
+        let tokens: Vec<u32> = (0..60).collect();
+        let blocks = decode_windowed(&mut pool, &tokens, 5, 4);
+        let mut activity = CacheActivity::default();
+        pool.cache(0, &tokens, &blocks, &mut activity);
+        pool.release(&blocks);
+        pool.check_invariants();
+        // Every released block went to the cache first: the whole path hits, as a chain of real blocks.
+        let hit = pool.match_prefix(0, &tokens, 60);
+        assert_eq!(hit.num_tokens, 60);
+        assert!(!hit.blocks.contains(&0));
+        assert_eq!(pool.num_available_blocks(), 40);
+        // Under pressure the cache evicts the chain's tail first; a later windowed run over the same
+        // tokens re-inserts only what hangs off a complete chain, never a null entry.
+        let other: Vec<u32> = (100..140).collect();
+        let blocks = decode_windowed(&mut pool, &other, 5, 4);
+        pool.release(&blocks);
+        let taken = pool.allocate(30, &mut activity).expect("evicts");
+        let hit = pool.match_prefix(0, &tokens, 60);
+        assert!(!hit.blocks.contains(&0));
+        pool.release(&taken);
+        let blocks = decode_windowed(&mut pool, &tokens, 5, 4);
+        pool.cache(0, &tokens, &blocks, &mut activity);
+        pool.release(&blocks);
+        pool.check_invariants();
+        let hit = pool.match_prefix(0, &tokens, 60);
+        assert!(!hit.blocks.contains(&0));
+        assert_eq!(hit.blocks.len() * 2, hit.num_tokens);
+        assert_eq!(pool.num_available_blocks(), 40);
+    }
+
+    #[test]
+    fn without_prefix_caching_released_blocks_are_free_at_once() {
+        let mut pool = KvPool::new(41, 2, false);
+        let tokens: Vec<u32> = (0..60).collect();
+        let blocks = decode_windowed(&mut pool, &tokens, 4, 3);
+        assert_eq!(
+            pool.num_free_blocks() as usize,
+            40 - blocks.iter().filter(|&&b| b != 0).count()
+        );
+        pool.release(&blocks);
+        assert_eq!(pool.num_free_blocks(), 40);
     }
 
     #[test]

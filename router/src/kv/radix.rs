@@ -149,6 +149,8 @@ impl RadixCache {
     /// given block, held (the inserting sequence holds it). Returns the ids newly added, in path order: the
     /// caller shares exactly those with the allocator. Inserting a path already cached adds nothing. A
     /// block already cached at another place (a caller bug) is never cached twice: insertion stops there.
+    /// A null entry (block 0: released out of a sliding window) stops it too, unless the tree already has
+    /// that block's node: a cached path is always a complete chain from the root.
     /// Marks the whole path as recently used.
     ///
     /// Panics if `blocks` has fewer than `tokens.len() / block_size` entries.
@@ -169,7 +171,9 @@ impl RadixCache {
                     self.node_mut(id).last_access = now;
                     id
                 }
-                None if self.contains_block(block) => break,
+                // The null block (an entry a windowed sequence released) ends the chain: what follows
+                // cannot be reached from the root through blocks that hold their K/V.
+                None if block == 0 || self.contains_block(block) => break,
                 None => {
                     added.push(block);
                     self.add_node(salt, parent, chunk, block, now)

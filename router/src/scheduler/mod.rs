@@ -64,6 +64,31 @@ pub struct SchedulerConfig {
     /// A waiting request that later arrivals have overtaken this many times (by priority) is admitted
     /// before anything else: the bound that keeps low priorities from starving.
     pub max_times_overtaken: u32,
+    /// When every layer of the model attends through a sliding window: the (smallest) window in tokens;
+    /// 0 otherwise. Blocks out of every future query's window are released (see `num_dead_blocks`), so a
+    /// sequence holds only its window's blocks.
+    pub kv_window: usize,
+}
+
+impl SchedulerConfig {
+    /// Leading blocks of a sequence whose next query is at `next_position` that no query will read
+    /// again: every position `p` in them has `p < next_position - (kv_window - 1)`. 0 without a window.
+    pub fn num_dead_blocks(&self, next_position: usize) -> usize {
+        if self.kv_window == 0 {
+            return 0;
+        }
+        (next_position + 1).saturating_sub(self.kv_window) / self.block_size
+    }
+
+    /// The most blocks a sequence of `num_tokens` tokens holds at once while it decodes: all of them, or
+    /// with a window only the window's (at most `ceil((kv_window - 1) / block_size) + 1`).
+    fn num_blocks_held(&self, num_tokens: usize) -> usize {
+        let num_blocks = num_blocks_for(num_tokens, self.block_size);
+        if self.kv_window == 0 {
+            return num_blocks;
+        }
+        num_blocks.min((self.kv_window - 1).div_ceil(self.block_size) + 1)
+    }
 }
 
 /// What the policy sees of one sequence.
@@ -74,8 +99,11 @@ pub struct SeqView {
     pub num_tokens: usize,
     /// Tokens whose K/V are already in the cache.
     pub num_computed_tokens: usize,
-    /// KV blocks the sequence holds now.
+    /// Entries of its block table now: blocks it holds, plus `num_null_blocks`.
     pub num_blocks: usize,
+    /// Leading block-table entries released out of the sliding window (the null block 0): they take
+    /// table positions but hold no block. 0 without a window.
+    pub num_null_blocks: usize,
     /// Of those, the blocks no other sequence holds: what preempting it would free.
     pub num_freeable_blocks: usize,
     /// Lower runs first; 0 is the default.
@@ -255,7 +283,9 @@ pub fn schedule(
             return plan;
         }
         let num_tokens = (seq.num_tokens - seq.num_computed_tokens).min(tokens_left);
-        let num_new_blocks = num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size);
+        // A swapped sequence holds no device block; its table keeps only its null entries.
+        let num_new_blocks =
+            num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
         if num_new_blocks + config.watermark_blocks > free_blocks {
             return plan;
         }
@@ -286,7 +316,8 @@ pub fn schedule(
                     .iter()
                     .find(|s| s.id == seq.id)
                     .map_or(0, |s| s.num_new_blocks);
-                num_blocks_for(seq.max_num_tokens, config.block_size).saturating_sub(seq.num_blocks + num_planned)
+                let num_held = seq.num_blocks - seq.num_null_blocks + num_planned;
+                config.num_blocks_held(seq.max_num_tokens).saturating_sub(num_held)
             })
             .sum();
         free_blocks = free_blocks.saturating_sub(num_reserved);
@@ -305,9 +336,10 @@ pub fn schedule(
             num_blocks_for(seq.num_computed_tokens + num_tokens, config.block_size).saturating_sub(seq.num_blocks);
         let num_claimed_blocks = match config.kv_admission {
             KvAdmission::Incremental => num_new_blocks,
-            KvAdmission::Reserve => {
-                num_blocks_for(seq.max_num_tokens, config.block_size).saturating_sub(seq.num_blocks)
-            }
+            KvAdmission::Reserve => config
+                .num_blocks_held(seq.max_num_tokens)
+                .saturating_sub(seq.num_blocks - seq.num_null_blocks)
+                .max(num_new_blocks),
         } + seq.num_cached_evictable;
         if num_claimed_blocks + watermark_blocks > free_blocks {
             break;

@@ -104,7 +104,11 @@ impl Scheduler {
         let mut swapped_out = Vec::new();
         for id in preempted {
             let seq = running.iter().find(|s| s.id == *id).expect("victims run");
-            let num_blocks = seq.num_computed_tokens.div_ceil(self.config.block_size);
+            // Only the blocks it holds are copied, not its null entries.
+            let num_blocks = seq
+                .num_computed_tokens
+                .div_ceil(self.config.block_size)
+                .saturating_sub(seq.num_null_blocks);
             let mode = choose_preemption(
                 self.preemption.mode,
                 self.preemption.costs,
@@ -160,6 +164,7 @@ mod tests {
             mode: BatchingMode::Continuous,
             kv_admission: KvAdmission::Incremental,
             max_times_overtaken: 8,
+            kv_window: 0,
         };
         let preemption = PreemptionConfig {
             mode,

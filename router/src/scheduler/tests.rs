@@ -14,6 +14,7 @@ fn config(max_batch_tokens: usize, max_batch_size: usize) -> SchedulerConfig {
         mode: BatchingMode::Continuous,
         kv_admission: KvAdmission::Incremental,
         max_times_overtaken: 8,
+        kv_window: 0,
     }
 }
 
@@ -23,6 +24,7 @@ pub(super) fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_bl
         num_tokens,
         num_computed_tokens,
         num_blocks,
+        num_null_blocks: 0,
         num_freeable_blocks: num_blocks,
         priority: 0,
         num_times_overtaken: 0,
@@ -141,6 +143,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 KvAdmission::Incremental
             },
             max_times_overtaken: 4,
+            kv_window: 0,
         };
         let num_requests = rng.random_range(1..40);
         // Every request must fit the pool alone, as validation guarantees.
@@ -397,4 +400,52 @@ fn reserve_admission_claims_max_new_tokens_and_counts_running_growth() {
         schedule(&cfg, &[running], &[], &[request], 6).admitted,
         vec![RequestId(1)]
     );
+}
+
+#[test]
+fn a_windowed_sequence_counts_only_its_live_blocks() {
+    let mut cfg = config(16, 8);
+    cfg.kv_window = 8;
+    // Next query at 13 reads 6..=13: block 0 (positions 0..3) is dead, block 1 (4..7) is not.
+    assert_eq!(cfg.num_dead_blocks(13), 1);
+    assert_eq!(cfg.num_dead_blocks(6), 0);
+    assert_eq!(config(16, 8).num_dead_blocks(1000), 0, "no window, nothing dies");
+    // A swapped sequence at 40 computed tokens whose 8 first entries are null resumes into 3 new blocks
+    // (its table grows to 11 entries for the token at position 40), not 11.
+    let mut swapped = seq(1, 41, 40, 8);
+    swapped.num_null_blocks = 8;
+    swapped.num_freeable_blocks = 0;
+    let plan = schedule(&cfg, &[], &[swapped], &[], 4);
+    assert_eq!(plan.resumed, vec![RequestId(1)]);
+    assert_eq!(plan.scheduled[0].num_new_blocks, 3);
+    // Reserve admission reserves the window's blocks, not max_num_tokens' worth.
+    cfg.kv_admission = KvAdmission::Reserve;
+    let mut long = seq(2, 4, 0, 0);
+    long.max_num_tokens = 400;
+    let plan = schedule(&cfg, &[], &[], &[long], 4);
+    assert_eq!(plan.admitted, vec![RequestId(2)], "3 blocks of window reserved");
+}
+
+#[test]
+fn a_windowed_victim_swaps_only_its_live_blocks() {
+    use super::{PreemptionConfig, Scheduler};
+    let mut cfg = config(16, 8);
+    cfg.kv_window = 8;
+    cfg.watermark_blocks = 0;
+    let preemption = PreemptionConfig {
+        mode: PreemptionMode::Swap,
+        num_host_blocks: 0,
+        costs: PreemptionCosts::default(),
+    };
+    let scheduler = Scheduler::new(cfg, preemption, None);
+    // Two decodes at 40 tokens, both needing a new block; none free. The victim holds 3 of its 10
+    // entries, so 3 free host blocks are enough to swap it.
+    let mut a = seq(1, 41, 40, 10);
+    a.num_null_blocks = 7;
+    a.num_freeable_blocks = 3;
+    let mut b = a;
+    b.id = RequestId(2);
+    let plan = scheduler.plan(&[a, b], &[], &[], 0, 3);
+    assert_eq!(plan.preempted, vec![RequestId(2)]);
+    assert_eq!(plan.swapped_out, vec![RequestId(2)]);
 }

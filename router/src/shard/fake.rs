@@ -26,6 +26,8 @@ struct FakeState {
     host_slots: HashMap<usize, u32>,
     /// Per sequence: the tokens the fake computed for it, by position, since it was last released.
     written: HashMap<u64, HashMap<usize, u32>>,
+    /// The most blocks (null entries aside) a decode chunk's block table has named.
+    max_decode_blocks: usize,
 }
 
 #[derive(Clone)]
@@ -33,6 +35,9 @@ pub struct FakeShard {
     num_blocks: u32,
     num_host_blocks: u32,
     block_size: u32,
+    /// Every layer's sliding window in tokens (0: full attention). With one, block-table entries out of
+    /// the window may be the null block, and only positions in the window are checked.
+    window: u32,
     state: Arc<Mutex<FakeState>>,
 }
 
@@ -42,14 +47,26 @@ impl FakeShard {
             num_blocks,
             num_host_blocks: 0,
             block_size,
+            window: 0,
             state: Arc::default(),
         }
+    }
+
+    /// A model whose every layer attends through a window of `window` tokens.
+    pub fn with_window(mut self, window: u32) -> Self {
+        self.window = window;
+        self
     }
 
     /// With a host swap pool of `num_host_blocks` blocks (block 0 included), cheap to copy.
     pub fn with_swap_pool(mut self, num_host_blocks: u32) -> Self {
         self.num_host_blocks = num_host_blocks;
         self
+    }
+
+    /// The most blocks (null entries aside) a decode chunk's block table has named so far.
+    pub fn max_decode_blocks(&self) -> usize {
+        self.state.lock().expect("not poisoned").max_decode_blocks
     }
 
     /// Sequences whose state the fake still holds (they were never released).
@@ -103,14 +120,25 @@ impl FakeShard {
             if chunk.block_table.len() * (self.block_size as usize) < end {
                 return Err(invalid(format!("sequence {} has too few blocks", chunk.id)));
             }
-            if chunk.block_table.iter().any(|&b| b == 0 || b >= self.num_blocks) {
+            let start = chunk.num_computed_tokens as usize;
+            // The first position a query of this chunk reads.
+            let first_read = match self.window {
+                0 => 0,
+                window => (start + 1).saturating_sub(window as usize),
+            };
+            let num_unread_blocks = first_read / block_size;
+            let is_bad = |(i, &b): (usize, &u32)| (b == 0 && i >= num_unread_blocks) || b >= self.num_blocks;
+            if chunk.block_table.iter().enumerate().any(is_bad) {
                 return Err(invalid(format!("sequence {} names a bad block", chunk.id)));
             }
+            if chunk.token_ids.len() == 1 {
+                let num_blocks = chunk.block_table.iter().filter(|&&b| b != 0).count();
+                state.max_decode_blocks = state.max_decode_blocks.max(num_blocks);
+            }
             let slot = |p: usize| chunk.block_table[p / block_size] as usize * block_size + p % block_size;
-            let start = chunk.num_computed_tokens as usize;
             let written = state.written.entry(chunk.id).or_default().clone();
             for (&p, &token) in &written {
-                if p < start && state.device_slots.get(&slot(p)) != Some(&token) {
+                if (first_read..start).contains(&p) && state.device_slots.get(&slot(p)) != Some(&token) {
                     return Err(invalid(format!("sequence {} lost its K/V at position {p}", chunk.id)));
                 }
             }
@@ -151,7 +179,7 @@ impl ShardClient for FakeShard {
             max_position_embeddings: 1024,
             world_size: 1,
             architecture: "FakeForCausalLM".into(),
-            sliding_windows: vec![0, 0],
+            sliding_windows: vec![self.window, self.window],
         };
         async move { Ok(info) }.boxed()
     }

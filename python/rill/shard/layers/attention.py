@@ -120,7 +120,8 @@ def tiled_causal_attention(
     the sequence's keys from position 0. Returns [num_queries, num_heads, head_dim] in q's dtype.
     `sliding_window` > 0: a query at p sees only keys at positions > p - sliding_window. `softcap` > 0:
     scores become softcap * tanh(score / softcap) before the softmax (Gemma 2). Tiles that every query's
-    window has left are skipped: they would leave the running state bitwise unchanged.
+    window has left are skipped: they would leave the running state bitwise unchanged. Keys before the
+    first query's window are never read, so they may be garbage (a released block's null entry).
     """
     num_queries, num_heads, head_dim = q.shape
     context_len, num_kv_heads, _ = k.shape
@@ -134,16 +135,18 @@ def tiled_causal_attention(
     row_max = torch.full((num_kv_heads, num_rows, 1), float("-inf"), device=q.device)
     row_sum = torch.zeros((num_kv_heads, num_rows, 1), device=q.device)
     acc = torch.zeros((num_kv_heads, num_rows, head_dim), device=q.device)
-    first_tile = 0
+    first_visible = 0
     if sliding_window > 0:
-        first_visible = int(query_positions.min()) - sliding_window + 1
-        first_tile = max(0, first_visible) // key_tile_size * key_tile_size
-    for tile_start in range(first_tile, context_len, key_tile_size):
+        first_visible = max(0, int(query_positions.min()) - sliding_window + 1)
+    for tile_start in range(first_visible // key_tile_size * key_tile_size, context_len, key_tile_size):
         tile_end = min(tile_start + key_tile_size, context_len)
+        # Keys before the first query's window are never read (they may lie in the null block, garbage
+        # once the router released their block): they stay zeros, masked; zeros make the same sums.
+        copy_start = max(tile_start, first_visible)
         k_tile = k.new_zeros(key_tile_size, num_kv_heads, head_dim, dtype=torch.float32)
         v_tile = torch.zeros_like(k_tile)
-        k_tile[: tile_end - tile_start] = k[tile_start:tile_end]
-        v_tile[: tile_end - tile_start] = v[tile_start:tile_end]
+        k_tile[copy_start - tile_start : tile_end - tile_start] = k[copy_start:tile_end]
+        v_tile[copy_start - tile_start : tile_end - tile_start] = v[copy_start:tile_end]
         scores = (q_rows @ k_tile.permute(1, 2, 0))[:, :num_rows]  # [kv_heads, rows, tile]
         if softcap > 0.0:
             scores = torch.tanh(scores / softcap) * softcap
