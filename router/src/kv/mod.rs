@@ -18,14 +18,8 @@ pub use swap::{BlockCopy, SwapPool};
 /// else 0 (a full-attention layer reads every position, so no block may go). Mixed models (Gemma 3's
 /// local and global layers) therefore keep every block: that saving needs a block table per layer group.
 pub fn kv_window(sliding_windows: &[u32]) -> usize {
-    if sliding_windows.is_empty() || sliding_windows.contains(&0) {
-        return 0;
-    }
-    sliding_windows
-        .iter()
-        .copied()
-        .min()
-        .map_or(0, |window| window as usize)
+    // The smallest window is 0 as soon as one layer has none.
+    sliding_windows.iter().min().map_or(0, |&window| window as usize)
 }
 
 #[cfg(test)]

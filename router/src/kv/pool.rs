@@ -149,10 +149,10 @@ impl KvPool {
             let num_tokens = (num_dead_blocks * block_size).min(tokens.len());
             self.cache(salt, &tokens[..num_tokens], dead, activity);
         }
-        let released: Vec<u32> = dead.iter().copied().filter(|&b| b != 0).collect();
-        self.release(&released);
+        let num_released = dead.iter().filter(|&&b| b != 0).count();
+        self.release(dead); // skips the entries already null
         dead.fill(0);
-        released.len()
+        num_released
     }
 
     /// How many of a sequence's blocks would become available if it let go of them: those it alone holds,

@@ -177,12 +177,13 @@ template <typename T>
 void pack_linear(const T* w, T* packed, int64_t n, int64_t k) {
   constexpr int64_t k_per_step = sizeof(float) / sizeof(T);
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  const int64_t steps = panel_elems<T>(k) / kStepElems<T>;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       T* panel = packed + p * panel_elems<T>(k);
       for (int64_t j = 0; j < kPanel; ++j) {
         const int64_t row = p * kPanel + j;
-        for (int64_t step = 0; step < panel_elems<T>(k) / kStepElems<T>; ++step) {
+        for (int64_t step = 0; step < steps; ++step) {
           for (int64_t half = 0; half < k_per_step; ++half) {
             const int64_t col = step * k_per_step + half;
             panel[(step * kPanel + j) * k_per_step + half] = row < n && col < k ? w[row * k + col] : T(0);
