@@ -50,8 +50,8 @@ inline void tile(const float* x, int64_t k, const float* panel, const float* nex
     const __m512 w0 = _mm512_loadu_ps(panel + step * kPanel);
     const __m512 w1 = _mm512_loadu_ps(panel + step * kPanel + 16);
     if (next != nullptr && --countdown == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next + 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + 16), _MM_HINT_T1);
       next += kPanel;
       countdown = every;
     }
@@ -97,8 +97,8 @@ inline void tile(const bf16* x, int64_t k, const bf16* panel, const bf16* next, 
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + step * 2 * kPanel);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + step * 2 * kPanel + kPanel);
     if (next != nullptr && --countdown == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(next + kPanel), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + kPanel), _MM_HINT_T1);
       next += 2 * kPanel;
       countdown = every;
     }
@@ -160,7 +160,9 @@ inline void rows_by_panel(const T* x, const T* packed, T* y, int64_t r_begin, in
   const int64_t width = std::min<int64_t>(kPanel, n - n0);
   const int64_t step_elems = kStepElems<T>, steps = panel_elems<T>(k) / step_elems;
   const T* panel = packed + p * panel_elems<T>(k);
-  const T* next = n0 + kPanel < n ? panel + panel_elems<T>(k) : nullptr;
+  // A single tile is over a panel quickly (bound by the memory it streams): it fetches two panels ahead.
+  const int64_t ahead = num_tiles == 1 ? 2 : 1;
+  const T* next = n0 + ahead * kPanel < n ? panel + ahead * panel_elems<T>(k) : nullptr;
   const int64_t base = num_rows / num_tiles, extra = num_rows % num_tiles;  // the first `extra` tiles take one more
   int64_t r = r_begin;
   for (int64_t t = 0; t < num_tiles; ++t) {
