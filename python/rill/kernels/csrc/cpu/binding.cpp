@@ -258,11 +258,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   auto y = at::empty({xc.size(0), n}, xc.options());
   if (xc.size(0) == 0 || n == 0) return y;
   if (xc.scalar_type() == at::kFloat) {
-    rill_cpu::linear(ptr<const float>(xc), packed.const_data_ptr<float>(), ptr<float>(y), xc.size(0), xc.size(1), n);
+    rill_cpu::linear(ptr<const float>(xc), packed.const_data_ptr<float>(), ptr<float>(y), xc.size(0), xc.size(1), n,
+                     num_threads());
   } else {
 #if defined(__AVX512BF16__)
     rill_cpu::linear(ptr<const bf16>(xc), static_cast<const bf16*>(packed.const_data_ptr()), ptr<bf16>(y),
-                     xc.size(0), xc.size(1), n);
+                     xc.size(0), xc.size(1), n, num_threads());
 #endif
   }
   return y;

@@ -12,8 +12,10 @@
 // bytes: one k for float32 ([K][32]), a pair of k for bfloat16 ([K/2][32][2], the pairs vdpbf16ps multiplies). At
 // each step a tile of up to kMaxRows rows of x broadcasts its x[r, k] (or pair) and multiplies it into the panel's
 // 32 outputs (two AVX-512 vectors), an outer product that needs no horizontal sums. A decode batch is one row
-// block: every thread takes a run of panels and reads each weight from memory once, its rows passing over the
-// panel while it stays in L2. Prefill rows are split into blocks of kRowBlock rows, each against every panel.
+// block: every thread takes runs of panels and reads each weight from memory once, its rows passing over the
+// panel while it stays in L2. Prefill rows are split into equal blocks of at most kRowBlock rows, each against
+// every panel. Threads take work as they finish (dynamic scheduling): on cores shared with the router, a thread
+// that is descheduled for a while does not hold up the whole call.
 
 #include <ATen/Parallel.h>
 
@@ -197,32 +199,38 @@ void pack_linear(const T* w, T* packed, int64_t n, int64_t k) {
 }
 
 template <typename T>
-void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n) {
+void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, int num_threads) {
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
-  if (m <= kRowBlock) {  // decode (and small chunks): the threads split the panels, each weight read once
-    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) rows_by_panel(x, packed, y, 0, m, k, n, p);
-    });
+  if (m <= kRowBlock) {
+    // Decode (and small chunks): each weight is read once, the threads taking runs of panels as they come (a
+    // few runs per thread, so a thread the OS holds up leaves its runs to the others).
+    const int64_t run = std::max<int64_t>(1, num_panels / (4 * std::max(1, num_threads)));
+#pragma omp parallel for schedule(dynamic, 1) \
+    num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_panels)))
+    for (int64_t first = 0; first < num_panels; first += run) {
+      for (int64_t p = first; p < std::min(num_panels, first + run); ++p) rows_by_panel(x, packed, y, 0, m, k, n, p);
+    }
     return;
   }
+  // Prefill: tasks of a block of rows (blocks of equal size, at most kRowBlock) against a block of panels.
   const int64_t num_row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t rows_per_block = (m + num_row_blocks - 1) / num_row_blocks;
   const int64_t num_panel_blocks = (num_panels + kPanelBlock - 1) / kPanelBlock;
-  at::parallel_for(0, num_row_blocks * num_panel_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r_begin = task / num_panel_blocks * kRowBlock;
-      const int64_t r_end = std::min(m, r_begin + kRowBlock);
-      const int64_t p_begin = task % num_panel_blocks * kPanelBlock;
-      const int64_t p_end = std::min(num_panels, p_begin + kPanelBlock);
-      for (int64_t p = p_begin; p < p_end; ++p) rows_by_panel(x, packed, y, r_begin, r_end, k, n, p);
-    }
-  });
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, num_threads))
+  for (int64_t task = 0; task < num_row_blocks * num_panel_blocks; ++task) {
+    const int64_t r_begin = task / num_panel_blocks * rows_per_block;
+    const int64_t r_end = std::min(m, r_begin + rows_per_block);
+    const int64_t p_begin = task % num_panel_blocks * kPanelBlock;
+    const int64_t p_end = std::min(num_panels, p_begin + kPanelBlock);
+    for (int64_t p = p_begin; p < p_end; ++p) rows_by_panel(x, packed, y, r_begin, r_end, k, n, p);
+  }
 }
 
 template void pack_linear<float>(const float*, float*, int64_t, int64_t);
-template void linear<float>(const float*, const float*, float*, int64_t, int64_t, int64_t);
+template void linear<float>(const float*, const float*, float*, int64_t, int64_t, int64_t, int);
 #if defined(__AVX512BF16__)
 template void pack_linear<bf16>(const bf16*, bf16*, int64_t, int64_t);
-template void linear<bf16>(const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+template void linear<bf16>(const bf16*, const bf16*, bf16*, int64_t, int64_t, int64_t, int);
 #endif
 
 }  // namespace rill_cpu

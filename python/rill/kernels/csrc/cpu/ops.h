@@ -66,9 +66,8 @@ void pack_linear(const T* w, T* packed, int64_t n, int64_t k);
 // y = x @ w^T for x [m, k], y [m, n] (row-major) and w packed by pack_linear. Each output is one chain over k in
 // ascending order (float32: a fused multiply-add per k; bf16: an AVX512-BF16 pair product per two k, in float32,
 // rounded to bf16 at the end) whatever m, the tile it falls in or the thread that computes it (linear.cpp), so a
-// row's result does not depend on the batch. Parallel over torch's intra-op threads. bf16 exists only in builds
-// with AVX512-BF16 (HAS_AVX512_BF16).
+// row's result does not depend on the batch. bf16 exists only in builds with AVX512-BF16 (HAS_AVX512_BF16).
 template <typename T>
-void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n);
+void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, int num_threads);
 
 }  // namespace rill_cpu
