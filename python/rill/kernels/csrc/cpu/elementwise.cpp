@@ -103,12 +103,11 @@ void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, 
     const T* up = gate + intermediate;
     T* dst = out + t * intermediate;
     int64_t i0 = 0;
-    if constexpr (std::is_same_v<T, float>) {  // whole chunks in registers: the same lane-wise arithmetic
-      for (; i0 + kLanes <= intermediate; i0 += kLanes) {
-        const Vec16 gv = load(gate + i0);
-        const Vec16 silu = div(gv, add(broadcast(1.0f), exp(sub(zeros(), gv))));
-        store(dst + i0, mul(silu, load(up + i0)));
-      }
+    for (; i0 + kLanes <= intermediate; i0 += kLanes) {  // whole chunks in registers: the same arithmetic
+      const Vec16 gv = load(gate + i0);
+      Vec16 silu = div(gv, add(broadcast(1.0f), exp(sub(zeros(), gv))));
+      if constexpr (std::is_same_v<T, bf16>) silu = round_bf16(silu);
+      store(dst + i0, mul(silu, load(up + i0)));  // rounded to T by the store
     }
     // 16 at a time through a float buffer, the tail zero-padded, so every element takes the vector path.
     for (; i0 < intermediate; i0 += kLanes) {

@@ -72,6 +72,19 @@ inline Vec16 load(const bf16* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
 inline void store(float* p, Vec16 a) { _mm512_storeu_ps(p, a.v); }
+// Lane i: the bfloat16 bits of a[i] in the low half, rounded as from_float<bf16> rounds.
+inline __m512i bf16_bits(Vec16 a) {
+  const __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+}
+inline void store(bf16* p, Vec16 a) {  // rounded to bfloat16
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(a)));
+}
+inline Vec16 round_bf16(Vec16 a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a), 16))}; }
 inline Vec16 add(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec16 sub(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -143,6 +156,14 @@ inline Vec16 load(const T* p) {
   return r;
 }
 inline void store(float* p, Vec16 a) { std::memcpy(p, a.v, sizeof a.v); }
+inline void store(bf16* p, Vec16 a) {  // rounded to bfloat16
+  for (int i = 0; i < kLanes; ++i) p[i] = from_float<bf16>(a.v[i]);
+}
+inline Vec16 round_bf16(Vec16 a) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = to_float(from_float<bf16>(a.v[i]));
+  return r;
+}
 #define RILL_LANEWISE(name, expr)                   \
   inline Vec16 name(Vec16 a, Vec16 b) {             \
     Vec16 r;                                        \
