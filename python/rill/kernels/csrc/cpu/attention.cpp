@@ -32,15 +32,6 @@ constexpr int64_t kKeyTile = 64;      // keys per online-softmax step; a multipl
 constexpr int64_t kRowsPerItem = 32;  // (query, head) rows per work item, at least one query
 constexpr int64_t kDecodeRowsPerThread = 4;  // decode rows per thread from which an item takes all KV heads
 constexpr int kMaxPiece = 8;          // accumulator chunks of one row held in registers at once (128 dims)
-#ifndef PF_GROUP
-#define PF_GROUP 48
-#endif
-#ifndef PF_KEY
-#define PF_KEY 6
-#endif
-#ifndef PF_ON
-#define PF_ON 1
-#endif
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // bfloat16 scores use AVX512-BF16 (pairs of bf16 products summed into float32 lanes) where the CPU has it.
