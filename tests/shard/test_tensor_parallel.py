@@ -65,6 +65,7 @@ def _rank_main(rank: int, world_size: int, model_dir: str, init_file: str, out_d
         },
         Path(out_dir) / f"rank-{rank}.pt",
     )
+    distributed.shutdown()
 
 
 def run_ranks(model_dir: Path, world_size: int, tmp_path: Path) -> list[dict]:

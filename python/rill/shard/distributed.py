@@ -55,6 +55,13 @@ def init(rank: int, world_size: int, init_method: str | None, device: torch.devi
     _rank, _world_size = rank, world_size
 
 
+def shutdown() -> None:
+    """Leaves the group, if any. A process that exits still in a gloo group can abort on the way out
+    ("terminate called without an active exception": the group's threads are torn down unjoined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def get_rank() -> int:
     return _rank
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import torch
 
+from rill.shard import distributed
 from rill.shard.batch import BlockCopy, ForwardRequest, Generation, SequenceChunk
 from rill.shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ShardConfig
 from rill.shard.memory import CGROUP_ROOT
@@ -234,6 +235,7 @@ async def serve(config: ShardConfig) -> None:
     logger.info("shutting down")
     await server.stop(grace=2.0)
     config.socket_path.unlink(missing_ok=True)
+    distributed.shutdown()
     if tracer is not None:
         tracer.shutdown()  # exports the spans still buffered
 
