@@ -24,6 +24,10 @@ from bench.kernel_cases import AttentionCase, make_case, run_attention
 NUM_LAYERS = 30  # the default model's
 
 
+def decode_case(seed: int = 0) -> AttentionCase:
+    return make_case([1] * 16, [512] * 16, 9, 3, 64, 16, torch.float32, device="cpu", seed=seed)
+
+
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
@@ -47,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     cpu.load()
     cases = {
-        "decode 16 x 512": make_case([1] * 16, [512] * 16, 9, 3, 64, 16, torch.float32, device="cpu"),
+        "decode 16 x 512": decode_case(),
         "prefill 512": make_case([512], [512], 9, 3, 64, 16, torch.float32, device="cpu"),
     }
     print(f"threads: {torch.get_num_threads()}")
@@ -65,7 +69,7 @@ def main() -> None:
         )
     layers = []
     for layer in range(NUM_LAYERS):
-        case = make_case([1] * 16, [512] * 16, 9, 3, 64, 16, torch.float32, device="cpu", seed=layer)
+        case = decode_case(seed=layer)
         cpu.store_kv(case.k, case.v, case.k_pool, case.v_pool, case.slot_mapping)
         layers.append(kernel_call(case))
     step = median_ms(lambda: [call() for call in layers], max(3, args.repeats // 4))

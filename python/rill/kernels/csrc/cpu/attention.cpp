@@ -203,16 +203,11 @@ void accumulate_piece(Scratch<T>& s, int64_t num_active, int64_t head_dim, int64
   for (int64_t k = 0; k < num_active;) {
     int n = 1;
     while (n < kRowsPerPass<PIECE> && k + n < num_active && s.kv_offset[active[k + n]] == s.kv_offset[active[k]]) ++n;
-    if (n == 1) {
-      accumulate_rows<PIECE, 1>(s, active + k, head_dim, c0);
-    } else if (n == 2) {
-      accumulate_rows<PIECE, 2>(s, active + k, head_dim, c0);
-    } else if constexpr (kRowsPerPass<PIECE> >= 3) {
-      if (n == 3) {
-        accumulate_rows<PIECE, 3>(s, active + k, head_dim, c0);
-      } else if constexpr (kRowsPerPass<PIECE> >= 4) {
-        accumulate_rows<PIECE, 4>(s, active + k, head_dim, c0);
-      }
+    switch (n) {  // n <= kRowsPerPass<PIECE>: only those row counts are instantiated
+      case 1: accumulate_rows<PIECE, 1>(s, active + k, head_dim, c0); break;
+      case 2: accumulate_rows<PIECE, 2>(s, active + k, head_dim, c0); break;
+      case 3: if constexpr (kRowsPerPass<PIECE> >= 3) accumulate_rows<PIECE, 3>(s, active + k, head_dim, c0); break;
+      default: if constexpr (kRowsPerPass<PIECE> >= 4) accumulate_rows<PIECE, 4>(s, active + k, head_dim, c0);
     }
     k += n;
   }

@@ -95,6 +95,18 @@ void rotary_embedding(T* q, int64_t q_token_stride, int64_t num_q_heads, T* k, i
   }
 }
 
+namespace {
+
+// 16 outputs: silu(g) = g / (1 + exp(-g)), rounded to T, times up (the product rounded to T by the caller's store).
+template <typename T>
+inline Vec16 silu_mul(Vec16 g, Vec16 up) {
+  Vec16 silu = div(g, add(broadcast(1.0f), exp(sub(zeros(), g))));
+  if constexpr (std::is_same_v<T, bf16>) silu = round_bf16(silu);
+  return mul(silu, up);
+}
+
+}  // namespace
+
 template <typename T>
 void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, int num_threads) {
 #pragma omp parallel for num_threads(threads_for(num_tokens * intermediate, num_threads))
@@ -103,26 +115,14 @@ void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, 
     const T* up = gate + intermediate;
     T* dst = out + t * intermediate;
     int64_t i0 = 0;
-    for (; i0 + kLanes <= intermediate; i0 += kLanes) {  // whole chunks in registers: the same arithmetic
-      const Vec16 gv = load(gate + i0);
-      Vec16 silu = div(gv, add(broadcast(1.0f), exp(sub(zeros(), gv))));
-      if constexpr (std::is_same_v<T, bf16>) silu = round_bf16(silu);
-      store(dst + i0, mul(silu, load(up + i0)));  // rounded to T by the store
-    }
-    // 16 at a time through a float buffer, the tail zero-padded, so every element takes the vector path.
-    for (; i0 < intermediate; i0 += kLanes) {
-      const int64_t n = std::min<int64_t>(kLanes, intermediate - i0);
-      float g[kLanes] = {}, silu[kLanes];
-      for (int64_t i = 0; i < n; ++i) g[i] = to_float(gate[i0 + i]);
-      const Vec16 gv = load(g);
-      // silu(g) = g / (1 + exp(-g))
-      const Vec16 denom = add(broadcast(1.0f), exp(sub(zeros(), gv)));
-      float denom_lanes[kLanes];
-      store(denom_lanes, denom);
-      for (int64_t i = 0; i < n; ++i) silu[i] = g[i] / denom_lanes[i];
-      for (int64_t i = 0; i < n; ++i) {
-        dst[i0 + i] = round_mul<T>(to_float(from_float<T>(silu[i])), to_float(up[i0 + i]));
-      }
+    for (; i0 + kLanes <= intermediate; i0 += kLanes) store(dst + i0, silu_mul<T>(load(gate + i0), load(up + i0)));
+    if (i0 < intermediate) {  // the ragged tail through zero-padded buffers: the same arithmetic
+      const int64_t n = intermediate - i0;
+      T g[kLanes] = {}, u[kLanes] = {}, result[kLanes];
+      std::copy_n(gate + i0, n, g);
+      std::copy_n(up + i0, n, u);
+      store(result, silu_mul<T>(load(g), load(u)));
+      std::copy_n(result, n, dst + i0);
     }
   }
 }
