@@ -70,13 +70,18 @@ def hf_model(path: Path) -> torch.nn.Module:
 
 
 def make_runner(
-    path: Path, block_size: int = 4, max_total_kv_tokens: int = 1024, attention_backend: str = "auto"
+    path: Path,
+    block_size: int = 4,
+    max_total_kv_tokens: int = 1024,
+    attention_backend: str = "auto",
+    dtype: str = "float32",
 ) -> ModelRunner:
     config = ShardConfig(
         model_path=path,
         socket_path=path / "unused.sock",
         block_size=block_size,
         attention_backend=attention_backend,
+        dtype=dtype,
     )
     runner = ModelRunner(config)
     runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=max_total_kv_tokens)

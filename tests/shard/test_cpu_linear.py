@@ -106,5 +106,5 @@ def test_refuses_mismatched_inputs():
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_kernels.pack_linear(torch.zeros(3, 8, dtype=torch.float16))
     if torch.bfloat16 in cpu_kernels.linear_dtypes():
-        with pytest.raises(RuntimeError, match="of x's dtype packed by pack_linear"):
+        with pytest.raises(RuntimeError, match="must be a BFloat16 weight packed by pack_linear"):
             cpu_kernels.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 3)

@@ -22,11 +22,12 @@ import shutil
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "cpu"
-SOURCES = ("binding.cpp", "attention.cpp", "elementwise.cpp", "linear.cpp")
+SOURCES = ("binding.cpp", "attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp")
 HEADERS = ("ops.h", "vec.h")
 # -ffp-contract=off: no implicit fused multiply-adds, so each product rounds where the torch reference rounds;
 # the kernels ask for FMAs explicitly where they want them.
@@ -211,3 +212,33 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
     on any number of threads. float32: one fused multiply-add per input, in order; bfloat16: one AVX512-BF16
     pair product per two inputs into a float32 sum, rounded to bfloat16 once."""
     return load().linear(x, packed, out_features)
+
+
+def decoder_stack(
+    layers: list[dict[str, Any]],
+    final_norm: torch.Tensor,
+    *,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rms_norm_eps: float,
+    scale: float,
+) -> Any:
+    """A Llama-family decoder stack (pre-norm RMSNorm, q/k/v, rotary, paged attention, o, gated SiLU MLP)
+    whose `forward(embedded, positions, cos, sin, k_pools, v_pools, block_tables, cu_seqlens_q,
+    slot_mapping)` runs every layer in one call and returns the final norm's output; its bits are those of
+    the same kernels called one layer op at a time. Each layer is a dict of input_norm, qkv, qkv_bias,
+    o_proj, o_proj_bias, post_norm, gate_up, gate_up_bias, down, down_bias (projections packed by
+    `pack_linear`, biases or None) and sliding_window (0: none). The weights are checked here, once."""
+    lib = load()
+    return lib.DecoderStack(
+        [lib.DecoderLayerWeights(**layer) for layer in layers],
+        final_norm,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=rms_norm_eps,
+        scale=scale,
+    )

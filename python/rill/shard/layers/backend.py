@@ -42,7 +42,8 @@ def unsupported_reasons(model: nn.Module, backend: Backend) -> list[str]:
 
 
 def use_backend(model: nn.Module, backend: Backend) -> None:
-    """Sets the backend of every kernel layer of `model`, once its weights are loaded."""
-    for module in model.modules():
+    """Sets the backend of every kernel layer of `model`, once its weights are loaded: children before their
+    parents, so a parent can build on what its children prepared (a decoder stack on their packed weights)."""
+    for module in reversed(list(model.modules())):
         if isinstance(module, KernelLayer):
             module.set_backend(backend)

@@ -4,6 +4,9 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <utility>
+#include <vector>
+
 #include "ops.h"
 
 namespace {
@@ -45,16 +48,19 @@ at::Tensor int64_vector(const at::Tensor& t, int64_t numel, const char* name) {
 
 int num_threads() { return at::get_num_threads(); }
 
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
-                     at::Tensor cu_seqlens_q, at::Tensor positions, double scale, int64_t sliding_window,
-                     double softcap) {
-  const int64_t q_stride = rows_stride(q, "q");
-  check_pool(k_pool, q, "k_pool");
-  check_pool(v_pool, q, "v_pool");
+// The int64 metadata of one attention batch, checked against the pools, and the PagedAttentionArgs every layer
+// shares (q, out and the pools are the caller's to set). Keeps the int64 copies alive for the args' pointers.
+struct AttentionBatch {
+  at::Tensor cu_seqlens_q;
+  at::Tensor positions;
+  rill_cpu::PagedAttentionArgs args{};
+};
+
+AttentionBatch attention_batch(int64_t num_tokens, int64_t num_heads, int64_t head_dim, const at::Tensor& k_pool,
+                               const at::Tensor& v_pool, const at::Tensor& block_tables,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& positions, double scale,
+                               int64_t sliding_window, double softcap) {
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
-              "out must be contiguous, with q's shape and dtype");
-  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_pool.size(0), block_size = k_pool.size(1), num_kv_heads = k_pool.size(2);
   TORCH_CHECK(k_pool.size(3) == head_dim, "pool head_dim ", k_pool.size(3), " != q head_dim ", head_dim);
   TORCH_CHECK(head_dim % rill_cpu::kLanes == 0 && head_dim > 0, "head_dim must be a multiple of 16, got ",
@@ -65,12 +71,13 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
                   block_tables.dim() == 2 && block_tables.stride(1) == 1,
               "block_tables must be a CPU int64 [num_seqs, max_blocks] with contiguous rows");
   const int64_t num_seqs = block_tables.size(0), max_blocks = block_tables.size(1);
-  const at::Tensor cu = int64_vector(cu_seqlens_q, num_seqs + 1, "cu_seqlens_q");
-  const at::Tensor pos = int64_vector(positions, num_tokens, "positions");
+  AttentionBatch batch;
+  batch.cu_seqlens_q = int64_vector(cu_seqlens_q, num_seqs + 1, "cu_seqlens_q");
+  batch.positions = int64_vector(positions, num_tokens, "positions");
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0");
   // Every key a query reads goes through a block-table entry that must name a block of the pool.
-  const int64_t* cu_ptr = cu.data_ptr<int64_t>();
-  const int64_t* pos_ptr = pos.data_ptr<int64_t>();
+  const int64_t* cu_ptr = batch.cu_seqlens_q.data_ptr<int64_t>();
+  const int64_t* pos_ptr = batch.positions.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   TORCH_CHECK(cu_ptr[0] == 0 && cu_ptr[num_seqs] == num_tokens, "cu_seqlens_q must run from 0 to num_tokens");
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
@@ -88,12 +95,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
                   " is outside the pool of ", num_blocks, " blocks");
     }
   }
-  rill_cpu::PagedAttentionArgs args{};
-  args.out = out.data_ptr();
-  args.q = q.data_ptr();
-  args.q_token_stride = q_stride;
-  args.k_pool = k_pool.data_ptr();
-  args.v_pool = v_pool.data_ptr();
+  rill_cpu::PagedAttentionArgs& args = batch.args;
   args.block_size = block_size;
   args.num_kv_heads = num_kv_heads;
   args.num_heads = num_heads;
@@ -107,11 +109,40 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
   args.sliding_window = sliding_window;
   args.softcap = static_cast<float>(softcap);
   args.num_threads = num_threads();
+  return batch;
+}
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
+                     at::Tensor cu_seqlens_q, at::Tensor positions, double scale, int64_t sliding_window,
+                     double softcap) {
+  const int64_t q_stride = rows_stride(q, "q");
+  check_pool(k_pool, q, "k_pool");
+  check_pool(v_pool, q, "v_pool");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must be contiguous, with q's shape and dtype");
+  AttentionBatch batch = attention_batch(q.size(0), q.size(1), q.size(2), k_pool, v_pool, block_tables,
+                                         cu_seqlens_q, positions, scale, sliding_window, softcap);
+  rill_cpu::PagedAttentionArgs& args = batch.args;
+  args.out = out.data_ptr();
+  args.q = q.data_ptr();
+  args.q_token_stride = q_stride;
+  args.k_pool = k_pool.data_ptr();
+  args.v_pool = v_pool.data_ptr();
   if (q.scalar_type() == at::kFloat) {
     rill_cpu::paged_attention<float>(args);
   } else {
     rill_cpu::paged_attention<bf16>(args);
   }
+}
+
+// slot_mapping as int64, each slot below the pool's `num_slots` (negative slots are skipped by store_kv).
+at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t num_tokens, int64_t num_slots) {
+  at::Tensor slots = int64_vector(slot_mapping, num_tokens, "slot_mapping");
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slot_ptr[t] < num_slots, "slot_mapping[", t, "] = ", slot_ptr[t], " is outside the pool of ",
+                num_slots, " slots");
+  return slots;
 }
 
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping) {
@@ -122,12 +153,8 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, 
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.sizes() == k.sizes(), "k and v must match");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
   TORCH_CHECK(k.size(1) == k_pool.size(2) && k.size(2) == k_pool.size(3), "k rows do not match the pool");
-  const at::Tensor slots = int64_vector(slot_mapping, k.size(0), "slot_mapping");
-  const int64_t num_slots = k_pool.size(0) * k_pool.size(1);
+  const at::Tensor slots = checked_slots(slot_mapping, k.size(0), k_pool.size(0) * k_pool.size(1));
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < k.size(0); ++t)
-    TORCH_CHECK(slot_ptr[t] < num_slots, "slot_mapping[", t, "] = ", slot_ptr[t], " is outside the pool of ",
-                num_slots, " slots");
   const int64_t row_elems = k.size(1) * k.size(2);
   if (k.scalar_type() == at::kFloat) {
     rill_cpu::store_kv(k.data_ptr<float>(), k_stride, v.data_ptr<float>(), v_stride, k_pool.data_ptr<float>(),
@@ -227,6 +254,13 @@ void check_linear_dtype(const at::Tensor& t, const char* what) {
 #endif
 }
 
+void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t n, int64_t k, const char* what) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == dtype && packed.is_contiguous() &&
+                  packed.sizes() == at::IntArrayRef(packed_shape(dtype, n, k)),
+              what, " must be a ", dtype, " weight packed by pack_linear for K = ", k, " and N = ", n, ", got ",
+              packed.scalar_type(), " ", packed.sizes());
+}
+
 // w [N, K] -> the layout `linear` reads (packed_shape).
 at::Tensor pack_linear(const at::Tensor& w) {
   check_cpu(w, "w");
@@ -250,10 +284,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2, "linear needs x [M, K], got ", x.sizes());
   check_linear_dtype(x, "linear's x");
-  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() &&
-                  packed.sizes() == at::IntArrayRef(packed_shape(x.scalar_type(), n, x.size(1))),
-              "linear needs a weight of x's dtype packed by pack_linear for K = ", x.size(1), " and N = ", n,
-              ", got ", packed.scalar_type(), " ", packed.sizes());
+  check_packed(packed, x.scalar_type(), n, x.size(1), "linear's weight");
   auto xc = x.contiguous();
   auto y = at::empty({xc.size(0), n}, xc.options());
   if (xc.size(0) == 0 || n == 0) return y;
@@ -269,6 +300,157 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return y;
 }
 
+// One decoder layer's weights as the shard hands them over: norms [hidden], projections packed by pack_linear,
+// optional biases [out features].
+struct DecoderLayerWeights {
+  at::Tensor input_norm;
+  at::Tensor qkv;
+  c10::optional<at::Tensor> qkv_bias;
+  at::Tensor o_proj;
+  c10::optional<at::Tensor> o_proj_bias;
+  at::Tensor post_norm;
+  at::Tensor gate_up;
+  c10::optional<at::Tensor> gate_up_bias;
+  at::Tensor down;
+  c10::optional<at::Tensor> down_bias;
+  int64_t sliding_window;
+};
+
+// A Llama-family decoder stack whose forward is one call (decoder.cpp). Holds the weights, checked once here.
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor final_norm, int64_t intermediate_size,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scale)
+      : layers_(std::move(layers)),
+        final_norm_(std::move(final_norm)),
+        intermediate_(intermediate_size),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(rms_norm_eps),
+        scale_(scale) {
+    TORCH_CHECK(!layers_.empty(), "a decoder stack needs at least one layer");
+    check_cpu(final_norm_, "final_norm");
+    check_linear_dtype(final_norm_, "the decoder stack's dtype");
+    TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.is_contiguous(), "final_norm must be a contiguous [hidden]");
+    const auto dtype = final_norm_.scalar_type();
+    hidden_ = final_norm_.size(0);
+    const int64_t q_size = num_heads * head_dim, qkv_size = q_size + 2 * num_kv_heads * head_dim;
+    const auto check_vector = [&](const at::Tensor& t, int64_t size, const char* what) {
+      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == size &&
+                      t.is_contiguous(),
+                  what, " must be a contiguous ", dtype, " [", size, "]");
+    };
+    const auto check_bias = [&](const c10::optional<at::Tensor>& bias, int64_t size, const char* what) {
+      if (bias.has_value()) check_vector(*bias, size, what);
+    };
+    for (const auto& layer : layers_) {
+      check_vector(layer.input_norm, hidden_, "input_norm");
+      check_vector(layer.post_norm, hidden_, "post_norm");
+      check_packed(layer.qkv, dtype, qkv_size, hidden_, "qkv");
+      check_bias(layer.qkv_bias, qkv_size, "qkv_bias");
+      check_packed(layer.o_proj, dtype, hidden_, q_size, "o_proj");
+      check_bias(layer.o_proj_bias, hidden_, "o_proj_bias");
+      check_packed(layer.gate_up, dtype, 2 * intermediate_size, hidden_, "gate_up");
+      check_bias(layer.gate_up_bias, 2 * intermediate_size, "gate_up_bias");
+      check_packed(layer.down, dtype, hidden_, intermediate_size, "down");
+      check_bias(layer.down_bias, hidden_, "down_bias");
+      TORCH_CHECK(layer.sliding_window >= 0, "sliding_window must be >= 0");
+    }
+  }
+
+  // embedded [num_tokens, hidden]; positions [num_tokens]; cos, sin [num_tokens, head_dim / 2] in the stack's
+  // dtype; one K and one V pool per layer; block_tables, cu_seqlens_q and slot_mapping as for paged_attention and
+  // store_kv. Writes every layer's new K/V and returns the final norm's output [num_tokens, hidden].
+  at::Tensor forward(const at::Tensor& embedded, const at::Tensor& positions, const at::Tensor& cos,
+                     const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                     const std::vector<at::Tensor>& v_pools, const at::Tensor& block_tables,
+                     const at::Tensor& cu_seqlens_q, const at::Tensor& slot_mapping) const {
+    check_cpu(embedded, "embedded");
+    check_same_dtype(embedded, final_norm_, "embedded");
+    TORCH_CHECK(embedded.dim() == 2 && embedded.size(1) == hidden_ && embedded.is_contiguous(),
+                "embedded must be a contiguous [num_tokens, ", hidden_, "]");
+    const int64_t tokens = embedded.size(0);
+    for (const auto* t : {&cos, &sin}) {
+      check_same_dtype(*t, embedded, "cos/sin");
+      TORCH_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(0) == tokens && t->size(1) == head_dim_ / 2,
+                  "cos and sin must be contiguous [num_tokens, head_dim / 2]");
+    }
+    const auto num_layers = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(static_cast<int64_t>(k_pools.size()) == num_layers &&
+                    static_cast<int64_t>(v_pools.size()) == num_layers,
+                "need one K and one V pool per layer (", num_layers, ")");
+    for (int64_t l = 0; l < num_layers; ++l) {
+      check_pool(k_pools[l], embedded, "k_pool");
+      check_pool(v_pools[l], embedded, "v_pool");
+      TORCH_CHECK(k_pools[l].sizes() == k_pools[0].sizes() && v_pools[l].sizes() == k_pools[0].sizes(),
+                  "every layer's pools must have the same shape");
+    }
+    AttentionBatch batch = attention_batch(tokens, num_heads_, head_dim_, k_pools[0], v_pools[0], block_tables,
+                                           cu_seqlens_q, positions, scale_, 0, 0.0);
+    TORCH_CHECK(k_pools[0].size(2) == num_kv_heads_, "the pools hold ", k_pools[0].size(2),
+                " KV heads, the stack ", num_kv_heads_);
+    const at::Tensor slots = checked_slots(slot_mapping, tokens, k_pools[0].size(0) * k_pools[0].size(1));
+    auto out = at::empty({tokens, hidden_}, embedded.options());
+    if (tokens == 0) return out;
+    const int64_t q_size = num_heads_ * head_dim_, qkv_size = q_size + 2 * num_kv_heads_ * head_dim_;
+    const auto workspace = [&](int64_t width) { return at::empty({tokens, width}, embedded.options()); };
+    at::Tensor qkv = workspace(qkv_size), attention_out = workspace(q_size), residual = workspace(hidden_),
+               layer_out = workspace(hidden_), gate_up = workspace(2 * intermediate_), activation = workspace(intermediate_);
+    const auto optional_data = [](const c10::optional<at::Tensor>& t) -> const void* {
+      return t.has_value() ? t->data_ptr() : nullptr;
+    };
+    std::vector<rill_cpu::DecoderLayer> layers(num_layers);
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const DecoderLayerWeights& w = layers_[l];
+      layers[l] = {w.input_norm.data_ptr(),        w.qkv.data_ptr(),  optional_data(w.qkv_bias),
+                   w.o_proj.data_ptr(),            optional_data(w.o_proj_bias), w.post_norm.data_ptr(),
+                   w.gate_up.data_ptr(),           optional_data(w.gate_up_bias), w.down.data_ptr(),
+                   optional_data(w.down_bias),     k_pools[l].data_ptr(), v_pools[l].data_ptr(),
+                   w.sliding_window};
+    }
+    rill_cpu::DecoderStackArgs args{};
+    args.layers = layers.data();
+    args.num_layers = num_layers;
+    args.final_norm = final_norm_.data_ptr();
+    args.hidden_size = hidden_;
+    args.intermediate_size = intermediate_;
+    args.rms_norm_eps = static_cast<float>(eps_);
+    args.num_tokens = tokens;
+    args.out = out.data_ptr();
+    args.embedded = embedded.data_ptr();
+    args.cos = cos.data_ptr();
+    args.sin = sin.data_ptr();
+    args.slots = slots.data_ptr<int64_t>();
+    args.qkv_out = qkv.data_ptr();
+    args.attention_out = attention_out.data_ptr();
+    args.residual = residual.data_ptr();
+    args.layer_out = layer_out.data_ptr();
+    args.gate_up_out = gate_up.data_ptr();
+    args.activation = activation.data_ptr();
+    args.attention = batch.args;
+    if (embedded.scalar_type() == at::kFloat) {
+      rill_cpu::decoder_stack<float>(args);
+    } else {
+#if defined(__AVX512BF16__)
+      rill_cpu::decoder_stack<bf16>(args);
+#endif
+    }
+    return out;
+  }
+
+ private:
+  std::vector<DecoderLayerWeights> layers_;
+  at::Tensor final_norm_;
+  int64_t hidden_ = 0;
+  int64_t intermediate_;
+  int64_t num_heads_;
+  int64_t num_kv_heads_;
+  int64_t head_dim_;
+  double eps_;
+  double scale_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -282,6 +464,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, release_gil);
   m.def("pack_linear", &pack_linear, release_gil);
   m.def("linear", &linear, release_gil);
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
+      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,
+                    at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,
+                    int64_t>(),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o_proj"), py::arg("o_proj_bias"),
+           py::arg("post_norm"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"),
+           py::arg("down_bias"), py::arg("sliding_window"));
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<DecoderLayerWeights>, at::Tensor, int64_t, int64_t, int64_t, int64_t, double,
+                    double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("intermediate_size"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scale"))
+      .def("forward", &DecoderStack::forward, release_gil);
 #if defined(__AVX512F__)
   m.attr("HAS_AVX512") = true;
 #else

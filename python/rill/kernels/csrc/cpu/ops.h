@@ -70,4 +70,53 @@ void pack_linear(const T* w, T* packed, int64_t n, int64_t k);
 template <typename T>
 void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, int num_threads);
 
+// One Llama-family decoder layer's weights (elements of T): projections packed by pack_linear, biases null when
+// absent.
+struct DecoderLayer {
+  const void* input_norm;  // [hidden]
+  const void* qkv;         // packed [q + k + v features, hidden]
+  const void* qkv_bias;
+  const void* o_proj;      // packed [hidden, num_heads * head_dim]
+  const void* o_proj_bias;
+  const void* post_norm;   // [hidden]
+  const void* gate_up;     // packed [2 * intermediate, hidden], the gate's rows first
+  const void* gate_up_bias;
+  const void* down;        // packed [hidden, intermediate]
+  const void* down_bias;
+  void* k_pool;            // this layer's pools, as for paged_attention
+  void* v_pool;
+  int64_t sliding_window;  // 0: the layer sees every earlier position
+};
+
+struct DecoderStackArgs {
+  const DecoderLayer* layers;
+  int64_t num_layers;
+  const void* final_norm;  // [hidden]
+  int64_t hidden_size;
+  int64_t intermediate_size;
+  float rms_norm_eps;
+  int64_t num_tokens;
+  void* out;               // [num_tokens, hidden]: the final norm's output
+  const void* embedded;    // [num_tokens, hidden]: the tokens' embeddings (read only)
+  const void* cos;         // [num_tokens, head_dim / 2]
+  const void* sin;
+  const int64_t* slots;    // [num_tokens], as for store_kv
+  // Workspace, each [num_tokens, its width]: qkv (q + k + v features), attention output (num_heads * head_dim),
+  // two of hidden (the residual stream and a layer's output), gate/up (2 * intermediate), activation (intermediate).
+  void* qkv_out;
+  void* attention_out;
+  void* residual;
+  void* layer_out;
+  void* gate_up_out;
+  void* activation;
+  // Everything paged attention needs but the pools, q and out, which change per layer.
+  PagedAttentionArgs attention;
+};
+
+// Runs every layer as the per-layer modules of rill/shard/models/llama.py do on the CPU backend: the same kernels
+// in the same order on the same inputs, so the output is bitwise theirs (a bias is added as torch adds two tensors
+// of T: in float32, rounded to T). Writes each layer's new K/V into its pools.
+template <typename T>
+void decoder_stack(const DecoderStackArgs& args);
+
 }  // namespace rill_cpu

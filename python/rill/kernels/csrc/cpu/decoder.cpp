@@ -1,0 +1,85 @@
+// A Llama-family decoder stack in one call (ops.h, decoder_stack): the per-layer kernels chained in C++, with no
+// Python between them. The order of operations is that of LlamaDecoderLayer.forward (pre-norm, the residual
+// stream carried apart so each add fuses into the next norm). At least one layer.
+#include "ops.h"
+
+namespace rill_cpu {
+namespace {
+
+template <typename T>
+const T* as(const void* p) {
+  return static_cast<const T*>(p);
+}
+template <typename T>
+T* as(void* p) {
+  return static_cast<T*>(p);
+}
+
+// y = x @ w^T (+ bias, added in float32 and rounded to T, as torch adds two tensors of T).
+template <typename T>
+void project(const T* x, const void* packed, const void* bias, T* y, int64_t m, int64_t k, int64_t n,
+             int num_threads) {
+  linear(x, as<T>(packed), y, m, k, n, num_threads);
+  if (bias == nullptr) return;
+  const T* b = as<T>(bias);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] = from_float<T>(to_float(y[r * n + j]) + to_float(b[j]));
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void decoder_stack(const DecoderStackArgs& a) {
+  const int64_t tokens = a.num_tokens, hidden = a.hidden_size, inter = a.intermediate_size;
+  const int64_t head_dim = a.attention.head_dim;
+  const int64_t q_size = a.attention.num_heads * head_dim, kv_size = a.attention.num_kv_heads * head_dim;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  const int threads = a.attention.num_threads;
+  T* qkv = as<T>(a.qkv_out);
+  T* attention_out = as<T>(a.attention_out);
+  T* residual = as<T>(a.residual);
+  T* layer_out = as<T>(a.layer_out);
+  T* gate_up = as<T>(a.gate_up_out);
+  T* activation = as<T>(a.activation);
+  T* normed = as<T>(a.out);  // each norm's output; the last one is the result
+  PagedAttentionArgs attention = a.attention;
+  attention.q = qkv;
+  attention.q_token_stride = qkv_size;
+  attention.out = attention_out;
+  for (int64_t l = 0; l < a.num_layers; ++l) {
+    const DecoderLayer& layer = a.layers[l];
+    // The first layer normalizes the embeddings, which are its residual; later ones add the residual first.
+    if (l == 0) {
+      fused_add_rms_norm<T>(normed, nullptr, as<T>(a.embedded), nullptr, as<T>(layer.input_norm), tokens, hidden,
+                            a.rms_norm_eps, threads);
+    } else {
+      fused_add_rms_norm<T>(normed, residual, layer_out, residual, as<T>(layer.input_norm), tokens, hidden,
+                            a.rms_norm_eps, threads);
+    }
+    project<T>(normed, layer.qkv, layer.qkv_bias, qkv, tokens, hidden, qkv_size, threads);
+    rotary_embedding<T>(qkv, qkv_size, attention.num_heads, qkv + q_size, qkv_size, attention.num_kv_heads,
+                        as<T>(a.cos), as<T>(a.sin), tokens, head_dim, threads);
+    store_kv<T>(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, as<T>(layer.k_pool),
+                as<T>(layer.v_pool), a.slots, tokens, kv_size, threads);
+    attention.k_pool = layer.k_pool;
+    attention.v_pool = layer.v_pool;
+    attention.sliding_window = layer.sliding_window;
+    paged_attention<T>(attention);
+    project<T>(attention_out, layer.o_proj, layer.o_proj_bias, layer_out, tokens, q_size, hidden, threads);
+    fused_add_rms_norm<T>(normed, residual, layer_out, l == 0 ? as<T>(a.embedded) : residual,
+                          as<T>(layer.post_norm), tokens, hidden, a.rms_norm_eps, threads);
+    project<T>(normed, layer.gate_up, layer.gate_up_bias, gate_up, tokens, hidden, 2 * inter, threads);
+    silu_and_mul<T>(activation, gate_up, tokens, inter, threads);
+    project<T>(activation, layer.down, layer.down_bias, layer_out, tokens, inter, hidden, threads);
+  }
+  fused_add_rms_norm<T>(normed, residual, layer_out, residual, as<T>(a.final_norm), tokens, hidden, a.rms_norm_eps,
+                        threads);
+}
+
+template void decoder_stack<float>(const DecoderStackArgs&);
+#if defined(__AVX512BF16__)
+template void decoder_stack<bf16>(const DecoderStackArgs&);
+#endif
+
+}  // namespace rill_cpu

@@ -1,0 +1,82 @@
+"""The one-call decoder stack (rill.kernels.cpu.decoder_stack) against the per-layer modules on the CPU kernels:
+bitwise the same logits and the same K/V written, for prefill, chunked and decode rows in one batch, with biases
+(Qwen2) and sliding windows (Mistral), in float32 and bfloat16; it is used exactly where it applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rill.kernels import cpu
+from rill.shard.runner import ModelRunner
+
+from .conftest import chunk, logits_of, make_runner, save_tiny_model
+
+PROMPT = [(7 * i + 3) % 300 for i in range(30)]
+OTHER = [(11 * i + 5) % 300 for i in range(13)]
+
+# name: (model_type, config overrides)
+MODELS = {
+    "llama": ("llama", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "mistral-windowed": ("mistral", {"sliding_window": 8, "head_dim": None}),
+}
+
+
+def dtypes() -> list[str]:
+    return ["float32", "bfloat16"] if torch.bfloat16 in cpu.linear_dtypes() else ["float32"]
+
+
+def three_calls(runner: ModelRunner) -> list[torch.Tensor]:
+    """Logits of a prefill beside another one, then a chunk beside a decode row, then two decode rows."""
+    return [
+        logits_of(runner, chunk(1, PROMPT[:20], 0, first_block=1), chunk(2, OTHER, 0, first_block=20)),
+        logits_of(
+            runner,
+            chunk(1, PROMPT[20:], 20, first_block=1),
+            chunk(2, [5], len(OTHER), first_block=20),
+        ),
+        logits_of(
+            runner,
+            chunk(1, [9], len(PROMPT), first_block=1),
+            chunk(2, [6], len(OTHER) + 1, first_block=20),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("name", list(MODELS))
+def test_stack_is_bitwise_the_layer_modules(tmp_path: Path, name: str, dtype: str) -> None:
+    model_type, overrides = MODELS[name]
+    path = save_tiny_model(tmp_path / name, model_type=model_type, **overrides)
+    runners = [make_runner(path, attention_backend="cpu", dtype=dtype) for _ in range(2)]
+    assert runners[0].model.model.stack is not None, "the stack applies to a plain Llama-family model"
+    runners[1].model.model.stack = None  # the per-layer modules
+    with_stack, with_modules = (three_calls(runner) for runner in runners)
+    for call, (a, b) in enumerate(zip(with_stack, with_modules, strict=True)):
+        assert torch.equal(a, b), f"call {call}: max diff {(a - b).abs().max().item()}"
+    caches = [runner.kv_cache for runner in runners]
+    assert caches[0] is not None and caches[1] is not None
+    for layer, (k, v) in enumerate(zip(caches[0].k, caches[0].v, strict=True)):
+        assert torch.equal(k, caches[1].k[layer]) and torch.equal(v, caches[1].v[layer]), f"layer {layer}"
+
+
+def test_stack_is_used_only_where_it_applies(tmp_path: Path) -> None:
+    path = save_tiny_model(tmp_path / "llama")
+    assert make_runner(path, attention_backend="torch").model.model.stack is None
+    qwen3 = save_tiny_model(tmp_path / "qwen3", model_type="qwen3")  # q/k norms: the family's own layer
+    assert make_runner(qwen3, attention_backend="cpu").model.model.stack is None
+
+
+def test_stack_rejects_pools_that_do_not_match(tmp_path: Path) -> None:
+    runner = make_runner(save_tiny_model(tmp_path / "llama"), attention_backend="cpu")
+    stack, cache = runner.model.model.stack, runner.kv_cache
+    assert stack is not None and cache is not None
+    hidden = torch.zeros(1, 64)
+    cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
+    metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="one K and one V pool per layer"):
+        stack.forward(hidden, torch.tensor([0]), cos, sin, cache.k[:1], cache.v[:1], *metadata)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        stack.forward(hidden, torch.tensor([0]), cos, sin, cache.k, cache.v, torch.tensor([[10**6]]), *metadata[1:])
