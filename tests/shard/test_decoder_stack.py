@@ -1,6 +1,6 @@
-"""The one-call decoder stack (rill.kernels.cpu.decoder_stack) against the per-layer modules on the CPU kernels:
-bitwise the same logits and the same K/V written, for prefill, chunked and decode rows in one batch, with biases
-(Qwen2) and sliding windows (Mistral), in float32 and bfloat16; it is used exactly where it applies."""
+"""The one-call decoder stack (rill.kernels.cpu.decoder_stack) against the per-layer modules on the CPU
+kernels: bitwise the same logits and the same K/V written, for prefill, chunked and decode rows in one batch,
+with biases (Qwen2) and sliding windows (Mistral), in float32 and bfloat16; used exactly where it applies."""
 
 from __future__ import annotations
 
@@ -79,4 +79,5 @@ def test_stack_rejects_pools_that_do_not_match(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="one K and one V pool per layer"):
         stack.forward(hidden, torch.tensor([0]), cos, sin, cache.k[:1], cache.v[:1], *metadata)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        stack.forward(hidden, torch.tensor([0]), cos, sin, cache.k, cache.v, torch.tensor([[10**6]]), *metadata[1:])
+        outside = torch.tensor([[10**6]])
+        stack.forward(hidden, torch.tensor([0]), cos, sin, cache.k, cache.v, outside, *metadata[1:])
