@@ -104,8 +104,10 @@ inline float reduce_add(Vec16 a) {
 }
 inline float reduce_max(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
 // out lane i = the sum of a[i]'s lanes, by a fixed tree per i (pairs of lanes, then pairs of pairs, ...); a[i]
-// enters no other lane, so what the other vectors hold never changes lane i.
-inline Vec16 reduce16(const Vec16 (&a)[kLanes]) {
+// enters no other lane, so what the other vectors hold never changes lane i. Always inlined: called out of line
+// (gcc did so in the bfloat16 score loop) its 16 inputs go through the stack (measured: a batch-16, context-512
+// bfloat16 decode step's attention over 30 layers, 11.9 -> 10.7 ms).
+__attribute__((always_inline)) inline Vec16 reduce16(const Vec16 (&a)[kLanes]) {
   __m512 b[8], c[4];
   for (int i = 0; i < 8; ++i) {
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i].v, a[2 * i + 1].v),
