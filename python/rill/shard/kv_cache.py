@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from rill.kernels import cpu as cpu_kernels
+
 
 class KVCache:
     def __init__(
@@ -33,11 +35,19 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = torch.device(device)
         self.host_k: list[torch.Tensor] = []
         self.host_v: list[torch.Tensor] = []
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A pool layer; on the CPU in huge pages (a decode step streams all of it), touched now so the step
+        does not page-fault."""
+        if torch.device(device).type == "cpu":
+            return cpu_kernels.empty_huge_pages(shape, dtype).zero_()
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def num_host_blocks(self) -> int:

@@ -261,14 +261,20 @@ void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t n, int
               packed.scalar_type(), " ", packed.sizes());
 }
 
-// w [N, K] -> the layout `linear` reads (packed_shape).
-at::Tensor pack_linear(const at::Tensor& w) {
+// The packed shape of weight w [N, K] (packed_shape).
+std::vector<int64_t> packed_shape_of(const at::Tensor& w) {
   check_cpu(w, "w");
   TORCH_CHECK(w.dim() == 2, "pack_linear needs a weight [N, K], got ", w.sizes());
   check_linear_dtype(w, "pack_linear's weight");
+  return packed_shape(w.scalar_type(), w.size(0), w.size(1));
+}
+
+// Writes w [N, K] into `packed` (of packed_shape_of(w)) in the layout `linear` reads.
+void pack_linear(const at::Tensor& w, at::Tensor packed) {
+  packed_shape_of(w);  // checks w
   auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1);
-  auto packed = at::empty(packed_shape(wc.scalar_type(), n, k), wc.options());
+  check_packed(packed, wc.scalar_type(), n, k, "pack_linear's output");
   if (wc.scalar_type() == at::kFloat) {
     rill_cpu::pack_linear(ptr<const float>(wc), ptr<float>(packed), n, k);
   } else {
@@ -276,7 +282,6 @@ at::Tensor pack_linear(const at::Tensor& w) {
     rill_cpu::pack_linear(ptr<const bf16>(wc), ptr<bf16>(packed), n, k);
 #endif
   }
-  return packed;
 }
 
 // x [M, K] @ w^T with w [N, K] packed by pack_linear, in x's dtype (the weight's).
@@ -462,6 +467,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, release_gil);
   m.def("rotary_embedding", &rotary_embedding, release_gil);
   m.def("silu_and_mul", &silu_and_mul, release_gil);
+  m.def("packed_shape", &packed_shape_of);
   m.def("pack_linear", &pack_linear, release_gil);
   m.def("linear", &linear, release_gil);
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
