@@ -400,19 +400,29 @@ class DecoderStack {
     if (tokens == 0) return out;
     const int64_t q_size = num_heads_ * head_dim_, qkv_size = q_size + 2 * num_kv_heads_ * head_dim_;
     const auto workspace = [&](int64_t width) { return at::empty({tokens, width}, embedded.options()); };
-    at::Tensor qkv = workspace(qkv_size), attention_out = workspace(q_size), residual = workspace(hidden_),
-               layer_out = workspace(hidden_), gate_up = workspace(2 * intermediate_), activation = workspace(intermediate_);
+    const at::Tensor qkv = workspace(qkv_size), attention_out = workspace(q_size), residual = workspace(hidden_);
+    const at::Tensor layer_out = workspace(hidden_), gate_up = workspace(2 * intermediate_);
+    const at::Tensor activation = workspace(intermediate_);
     const auto optional_data = [](const c10::optional<at::Tensor>& t) -> const void* {
       return t.has_value() ? t->data_ptr() : nullptr;
     };
     std::vector<rill_cpu::DecoderLayer> layers(num_layers);
     for (int64_t l = 0; l < num_layers; ++l) {
       const DecoderLayerWeights& w = layers_[l];
-      layers[l] = {w.input_norm.data_ptr(),        w.qkv.data_ptr(),  optional_data(w.qkv_bias),
-                   w.o_proj.data_ptr(),            optional_data(w.o_proj_bias), w.post_norm.data_ptr(),
-                   w.gate_up.data_ptr(),           optional_data(w.gate_up_bias), w.down.data_ptr(),
-                   optional_data(w.down_bias),     k_pools[l].data_ptr(), v_pools[l].data_ptr(),
-                   w.sliding_window};
+      rill_cpu::DecoderLayer& layer = layers[l];
+      layer.input_norm = w.input_norm.data_ptr();
+      layer.qkv = w.qkv.data_ptr();
+      layer.qkv_bias = optional_data(w.qkv_bias);
+      layer.o_proj = w.o_proj.data_ptr();
+      layer.o_proj_bias = optional_data(w.o_proj_bias);
+      layer.post_norm = w.post_norm.data_ptr();
+      layer.gate_up = w.gate_up.data_ptr();
+      layer.gate_up_bias = optional_data(w.gate_up_bias);
+      layer.down = w.down.data_ptr();
+      layer.down_bias = optional_data(w.down_bias);
+      layer.k_pool = k_pools[l].data_ptr();
+      layer.v_pool = v_pools[l].data_ptr();
+      layer.sliding_window = w.sliding_window;
     }
     rill_cpu::DecoderStackArgs args{};
     args.layers = layers.data();
