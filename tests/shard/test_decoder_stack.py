@@ -71,8 +71,8 @@ def test_stack_is_used_only_where_it_applies(tmp_path: Path) -> None:
 
 def test_stack_rejects_pools_that_do_not_match(tmp_path: Path) -> None:
     runner = make_runner(save_tiny_model(tmp_path / "llama"), attention_backend="cpu")
-    stack, cache = runner.model.model.stack, runner.kv_cache
-    assert stack is not None and cache is not None
+    assert runner.model.model.stack is not None and runner.kv_cache is not None
+    stack, cache = runner.model.model.stack.kernel_stack, runner.kv_cache
     hidden = torch.zeros(1, 64)
     cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
     metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]))

@@ -17,13 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from rill.kernels import cpu as cpu_kernels
-from rill.shard import distributed
 from rill.shard.layers.activation import SiluAndMul
-from rill.shard.layers.attention import PagedAttention, get_forward_context
+from rill.shard.layers.attention import PagedAttention
 from rill.shard.layers.backend import Backend, KernelLayer
+from rill.shard.layers.decoder_stack import DecoderStack, StackLayer
 from rill.shard.layers.embedding import Embedding, LMHead
-from rill.shard.layers.linear import Linear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from rill.shard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
 
@@ -209,75 +208,44 @@ class LlamaModel(KernelLayer):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.stack: Any = None  # the one-call stack, set with the CPU backend where it applies
+        self.stack: DecoderStack | None = None  # set with the CPU backend where it applies
 
     def set_backend(self, backend: Backend) -> None:
         super().set_backend(backend)  # the layers already have theirs (use_backend sets children first)
         self.stack = self._cpu_stack() if backend is Backend.CPU else None
 
-    def _cpu_stack(self) -> Any:
+    def _cpu_stack(self) -> DecoderStack | None:
         plain = all(
             type(layer) is LlamaDecoderLayer
             and type(layer.self_attn) is LlamaAttention
             and type(layer.mlp) is LlamaMLP
             for layer in self.layers
         )
-        linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
-        if distributed.get_world_size() != 1 or not plain or not all(m.packed.is_packed for m in linears):
+        if not plain:
             return None
-
-        def bias(linear: Linear) -> torch.Tensor | None:
-            return None if linear.bias is None else linear.bias.data
-
         layers = [
-            dict(
-                input_norm=layer.input_layernorm.weight.data,
-                qkv=layer.self_attn.qkv_proj.packed.tensor,
-                qkv_bias=bias(layer.self_attn.qkv_proj),
-                o_proj=layer.self_attn.o_proj.packed.tensor,
-                o_proj_bias=bias(layer.self_attn.o_proj),
-                post_norm=layer.post_attention_layernorm.weight.data,
-                gate_up=layer.mlp.gate_up_proj.packed.tensor,
-                gate_up_bias=bias(layer.mlp.gate_up_proj),
-                down=layer.mlp.down_proj.packed.tensor,
-                down_bias=bias(layer.mlp.down_proj),
-                sliding_window=layer.self_attn.attn.sliding_window,
+            StackLayer(
+                input_norm=layer.input_layernorm,
+                qkv=layer.self_attn.qkv_proj,
+                attention=layer.self_attn.attn,
+                o_proj=layer.self_attn.o_proj,
+                post_norm=layer.post_attention_layernorm,
+                gate_up=layer.mlp.gate_up_proj,
+                down=layer.mlp.down_proj,
             )
             for layer in self.layers
         ]
-        attention = self.layers[0].self_attn.attn
-        return cpu_kernels.decoder_stack(
-            layers,
-            self.norm.weight.data,
-            intermediate_size=self.layers[0].mlp.down_proj.packed.in_features,
-            num_heads=attention.num_heads,
-            num_kv_heads=attention.num_kv_heads,
-            head_dim=attention.head_dim,
-            rms_norm_eps=self.config.rms_norm_eps,
-            scale=attention.scale,
-        )
+        return DecoderStack.for_cpu(layers, self.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         if self.stack is not None:
-            ctx = get_forward_context()
             # Every layer rotates by the same table (one config), so one lookup serves the stack.
             cos, sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden.dtype)
-            return self.stack.forward(
-                hidden,
-                positions,
-                cos,
-                sin,
-                ctx.kv_cache.k,
-                ctx.kv_cache.v,
-                ctx.block_tables,
-                ctx.cu_seqlens_q_tensor,
-                ctx.slot_mapping,
-            )
+            return self.stack(hidden, positions, cos, sin)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
