@@ -221,8 +221,9 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     """A weight [out, in] (a dtype of `linear_dtypes()`) repacked for `linear`: float32
     [ceil(out / 32), in, 32], bfloat16 [ceil(out / 32), ceil(in / 2), 32, 2] (pairs of inputs), zero-padded
     past `out` (and `in`), in huge pages (`empty_huge_pages`)."""
-    packed = empty_huge_pages(tuple(load().packed_shape(weight)), weight.dtype)
-    load().pack_linear(weight, packed)
+    lib = load()
+    packed = empty_huge_pages(tuple(lib.packed_shape(weight)), weight.dtype)
+    lib.pack_linear(weight, packed)
     return packed
 
 

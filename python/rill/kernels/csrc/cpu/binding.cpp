@@ -261,17 +261,22 @@ void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t n, int
               packed.scalar_type(), " ", packed.sizes());
 }
 
-// The packed shape of weight w [N, K] (packed_shape).
-std::vector<int64_t> packed_shape_of(const at::Tensor& w) {
+// w must be a CPU weight [N, K] of a dtype `linear` multiplies.
+void check_weight(const at::Tensor& w) {
   check_cpu(w, "w");
   TORCH_CHECK(w.dim() == 2, "pack_linear needs a weight [N, K], got ", w.sizes());
   check_linear_dtype(w, "pack_linear's weight");
+}
+
+// The packed shape of weight w [N, K] (packed_shape).
+std::vector<int64_t> packed_shape_of(const at::Tensor& w) {
+  check_weight(w);
   return packed_shape(w.scalar_type(), w.size(0), w.size(1));
 }
 
 // Writes w [N, K] into `packed` (of packed_shape_of(w)) in the layout `linear` reads.
 void pack_linear(const at::Tensor& w, at::Tensor packed) {
-  packed_shape_of(w);  // checks w
+  check_weight(w);
   auto wc = w.contiguous();
   const int64_t n = wc.size(0), k = wc.size(1);
   check_packed(packed, wc.scalar_type(), n, k, "pack_linear's output");
