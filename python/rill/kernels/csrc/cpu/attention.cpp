@@ -46,6 +46,12 @@ constexpr bool kPairedBf16 = false;
 // Loads the byte at p and drops it: brings its cache line in.
 inline void touch(const char* p) { asm volatile("" : : "r"(*reinterpret_cast<const volatile char*>(p))); }
 
+// Contiguous bytes of K or V rows.
+struct Span {
+  const char* begin;
+  int64_t bytes;
+};
+
 struct WorkItem {
   int64_t seq;
   int64_t query_begin;
@@ -73,16 +79,25 @@ struct Scratch {
   std::vector<int64_t> kv_offset;  // row r's K/V within a slot's row of the item's first KV head
   std::vector<T> zero_row;  // stands in for keys a row does not see
   std::vector<const T*> k_rows, v_rows;  // the current tile's K/V rows, at the item's first KV head
-  std::vector<const char*> next_lines;  // cache lines of the next tile's K/V rows to prefetch (decode items)
-  size_t next_cursor = 0;               // the first of them not yet prefetched
-  size_t prefetch_per_group = 0;        // how many to prefetch per group of 16 scores
+  std::vector<Span> next_spans;  // the next tile's K/V bytes to prefetch (decode items)
+  size_t next_span = 0;          // the first span not yet prefetched in full
+  int64_t next_byte = 0;         // ... and how far into it
+  int64_t prefetch_per_group = 0;  // cache lines to prefetch per group of 16 scores
 };
 
-// Prefetches the next n lines of the next tile into L2.
+// Prefetches the next n cache lines of the next tile into L2.
 template <typename T>
-inline void prefetch_next(Scratch<T>& s, size_t n) {
-  const size_t stop = std::min(s.next_lines.size(), s.next_cursor + n);
-  for (; s.next_cursor < stop; ++s.next_cursor) __builtin_prefetch(s.next_lines[s.next_cursor], 0, 2);
+inline void prefetch_next(Scratch<T>& s, int64_t n) {
+  for (; n > 0 && s.next_span < s.next_spans.size(); ++s.next_span, s.next_byte = 0) {
+    const Span& span = s.next_spans[s.next_span];
+    const int64_t stop = std::min(span.bytes, s.next_byte + n * 64);
+    for (int64_t byte = s.next_byte; byte < stop; byte += 64) __builtin_prefetch(span.begin + byte, 0, 2);
+    n -= (stop - s.next_byte + 63) / 64;
+    if (stop < span.bytes) {
+      s.next_byte = stop;
+      return;
+    }
+  }
 }
 
 // Scores (scaled) of one row for the 16 keys k[0..15] of a group: lane i = q . k[i].
@@ -259,24 +274,34 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
   const T* k_pool = static_cast<const T*>(a.k_pool);
   const T* v_pool = static_cast<const T*>(a.v_pool);
   const int64_t slot_stride = a.num_kv_heads * head_dim;
-  // Calls visit(index in tile, offset of the key's row in the pools) for the keys [first, end) of a tile.
-  const auto for_each_key = [&](int64_t tile_start, int64_t first, int64_t end, auto&& visit) {
-    for (int64_t key = first; key < end;) {  // a run of keys per block
+  // Calls visit(key, run, offset of the key's row in the pools) for each run of the keys [first, end) in one block.
+  const auto for_each_run = [&](int64_t first, int64_t end, auto&& visit) {
+    for (int64_t key = first; key < end;) {
       const int64_t first_slot = key % a.block_size;
       const int64_t run = std::min(a.block_size - first_slot, end - key);
-      const int64_t offset = ((table[key / a.block_size] * a.block_size + first_slot) * a.num_kv_heads +
-                              item.kv_head) * head_dim;
-      for (int64_t i = 0; i < run; ++i) visit(key + i - tile_start, offset + i * slot_stride);
+      visit(key, run, ((table[key / a.block_size] * a.block_size + first_slot) * a.num_kv_heads + item.kv_head) *
+                          head_dim);
       key += run;
     }
   };
+  // Calls visit(index in tile, offset of the key's row in the pools) for the keys [first, end) of a tile.
+  const auto for_each_key = [&](int64_t tile_start, int64_t first, int64_t end, auto&& visit) {
+    for_each_run(first, end, [&](int64_t key, int64_t run, int64_t offset) {
+      for (int64_t i = 0; i < run; ++i) visit(key + i - tile_start, offset + i * slot_stride);
+    });
+  };
   const int64_t row_bytes = item.num_kv_heads * head_dim * static_cast<int64_t>(sizeof(T));  // per slot
-  // Calls visit(line) for each cache line of the item's K rows, then V rows, of the keys [first, end) of a tile.
-  const auto for_each_line = [&](int64_t first, int64_t end, auto&& visit) {
+  // Calls visit(span) for the item's K rows, then V rows, of the keys [first, end) of a tile: a block's rows are one
+  // span when the item takes all KV heads, one span per row otherwise.
+  const auto for_each_span = [&](int64_t first, int64_t end, auto&& visit) {
     for (const T* pool : {k_pool, v_pool}) {
-      for_each_key(first, std::max(first, item_lo), end, [&](int64_t, int64_t offset) {
+      for_each_run(std::max(first, item_lo), end, [&](int64_t, int64_t run, int64_t offset) {
         const char* row = reinterpret_cast<const char*>(pool + offset);
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) visit(row + byte);
+        if (item.num_kv_heads == a.num_kv_heads) {
+          visit(Span{row, run * row_bytes});
+        } else {
+          for (int64_t i = 0; i < run; ++i) visit(Span{row + i * slot_stride * sizeof(T), row_bytes});
+        }
       });
     }
   };
@@ -291,19 +316,25 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
     // Left to the arithmetic's own order (16 keys' rows side by side, one 64-byte piece each at a time) the same
     // bytes came from memory at about a third of the speed (measured: a decode step's attention at batch 16,
     // context 512, 45 -> 32 ms on one thread).
-    for_each_line(tile_start, tile_end, [](const char* line) { touch(line); });
+    for_each_span(tile_start, tile_end, [](const Span& span) {
+      for (int64_t byte = 0; byte < span.bytes; byte += 64) touch(span.begin + byte);
+    });
     // A decode item's K/V come from memory once (a prefill item's are read again by the chunk's other items), so
     // the next tile's lines are prefetched into L2 while this tile's scores are computed, spread evenly over
     // their groups of 16: that hides most of the next touch (the batch-16, context-512 attention of 30 layers,
     // 2 threads: about 25 -> 19 ms). Prefill items measured ~6% slower with it.
-    s.next_lines.clear();
-    s.next_cursor = 0;
+    s.next_spans.clear();
+    s.next_span = 0;
+    s.next_byte = 0;
+    int64_t next_lines = 0;
     if (item.query_end - item.query_begin == 1 && tile_end < item_hi) {
-      for_each_line(tile_end, std::min(tile_end + kKeyTile, item_hi),
-                    [&](const char* line) { s.next_lines.push_back(line); });
+      for_each_span(tile_end, std::min(tile_end + kKeyTile, item_hi), [&](const Span& span) {
+        s.next_spans.push_back(span);
+        next_lines += (span.bytes + 63) / 64;
+      });
     }
-    const size_t num_groups = num_rows * (kKeyTile / kLanes);
-    s.prefetch_per_group = (s.next_lines.size() + num_groups - 1) / num_groups;
+    const int64_t num_groups = num_rows * (kKeyTile / kLanes);
+    s.prefetch_per_group = (next_lines + num_groups - 1) / num_groups;
     int64_t num_active = 0;
     for (int64_t r = 0; r < num_rows; ++r) {
       s.begin[r] = std::max(s.lo[r], tile_start) - tile_start;
