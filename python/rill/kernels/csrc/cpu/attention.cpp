@@ -18,6 +18,7 @@
 // Rows share loads (several rows per pass over the V rows) but never arithmetic, and one row is never split
 // across threads.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -245,8 +246,48 @@ void accumulate_tile(Scratch<T>& s, int64_t num_active, int64_t head_dim) {
   }
 }
 
+// The keys a query at `position` sees: [lo, position].
+inline int64_t first_key(const PagedAttentionArgs& a, int64_t position) {
+  return a.sliding_window > 0 ? std::max<int64_t>(0, position - a.sliding_window + 1) : 0;
+}
+
+// Calls visit(key, run, offset) for each run of the keys [first, end) of the sequence with block table `table`
+// that lie in one block; offset: the run's first row in the pools, at KV head kv_head.
+template <typename Visit>
+inline void for_each_run(const PagedAttentionArgs& a, const int64_t* table, int64_t kv_head, int64_t first,
+                         int64_t end, Visit&& visit) {
+  for (int64_t key = first; key < end;) {
+    const int64_t first_slot = key % a.block_size;
+    const int64_t run = std::min(a.block_size - first_slot, end - key);
+    visit(key, run, ((table[key / a.block_size] * a.block_size + first_slot) * a.num_kv_heads + kv_head) * a.head_dim);
+    key += run;
+  }
+}
+
+// Calls visit(span) for the item's K rows, then V rows, of the keys [first, end): a block's rows are one span when
+// the item takes all KV heads, one span per row otherwise.
+template <typename T, typename Visit>
+inline void for_each_span(const PagedAttentionArgs& a, const WorkItem& item, int64_t first, int64_t end,
+                          Visit&& visit) {
+  const int64_t* table = a.block_tables + item.seq * a.block_table_stride;
+  const int64_t row_bytes = item.num_kv_heads * a.head_dim * static_cast<int64_t>(sizeof(T));
+  const int64_t slot_bytes = a.num_kv_heads * a.head_dim * static_cast<int64_t>(sizeof(T));
+  for (const void* pool : {a.k_pool, a.v_pool}) {
+    for_each_run(a, table, item.kv_head, first, end, [&](int64_t, int64_t run, int64_t offset) {
+      const char* row = static_cast<const char*>(pool) + offset * static_cast<int64_t>(sizeof(T));
+      if (item.num_kv_heads == a.num_kv_heads) {
+        visit(Span{row, run * row_bytes});
+      } else {
+        for (int64_t i = 0; i < run; ++i) visit(Span{row + i * slot_bytes, row_bytes});
+      }
+    });
+  }
+}
+
+// `next`: the item this thread takes after this one (or null); a decode item prefetches its first tile while it
+// computes its own last.
 template <typename T>
-void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& s) {
+void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkItem* next, Scratch<T>& s) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t head_dim = a.head_dim;
   const int64_t heads_per_query = item.num_kv_heads * group;  // rows are (query, head), head-minor
@@ -259,7 +300,7 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
     const int64_t head = item.kv_head * group + r % heads_per_query;
     s.kv_offset[r] = (head / group - item.kv_head) * head_dim;
     const int64_t position = a.positions[token];
-    s.lo[r] = a.sliding_window > 0 ? std::max<int64_t>(0, position - a.sliding_window + 1) : 0;
+    s.lo[r] = first_key(a, position);
     s.hi[r] = position + 1;
     item_lo = std::min(item_lo, s.lo[r]);
     item_hi = std::max(item_hi, s.hi[r]);
@@ -274,36 +315,11 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
   const T* k_pool = static_cast<const T*>(a.k_pool);
   const T* v_pool = static_cast<const T*>(a.v_pool);
   const int64_t slot_stride = a.num_kv_heads * head_dim;
-  // Calls visit(key, run, offset of the key's row in the pools) for each run of the keys [first, end) in one block.
-  const auto for_each_run = [&](int64_t first, int64_t end, auto&& visit) {
-    for (int64_t key = first; key < end;) {
-      const int64_t first_slot = key % a.block_size;
-      const int64_t run = std::min(a.block_size - first_slot, end - key);
-      visit(key, run, ((table[key / a.block_size] * a.block_size + first_slot) * a.num_kv_heads + item.kv_head) *
-                          head_dim);
-      key += run;
-    }
-  };
   // Calls visit(index in tile, offset of the key's row in the pools) for the keys [first, end) of a tile.
   const auto for_each_key = [&](int64_t tile_start, int64_t first, int64_t end, auto&& visit) {
-    for_each_run(first, end, [&](int64_t key, int64_t run, int64_t offset) {
+    for_each_run(a, table, item.kv_head, first, end, [&](int64_t key, int64_t run, int64_t offset) {
       for (int64_t i = 0; i < run; ++i) visit(key + i - tile_start, offset + i * slot_stride);
     });
-  };
-  const int64_t row_bytes = item.num_kv_heads * head_dim * static_cast<int64_t>(sizeof(T));  // per slot
-  // Calls visit(span) for the item's K rows, then V rows, of the keys [first, end) of a tile: a block's rows are one
-  // span when the item takes all KV heads, one span per row otherwise.
-  const auto for_each_span = [&](int64_t first, int64_t end, auto&& visit) {
-    for (const T* pool : {k_pool, v_pool}) {
-      for_each_run(std::max(first, item_lo), end, [&](int64_t, int64_t run, int64_t offset) {
-        const char* row = reinterpret_cast<const char*>(pool + offset);
-        if (item.num_kv_heads == a.num_kv_heads) {
-          visit(Span{row, run * row_bytes});
-        } else {
-          for (int64_t i = 0; i < run; ++i) visit(Span{row + i * slot_stride * sizeof(T), row_bytes});
-        }
-      });
-    }
   };
   for (int64_t tile_start = item_lo / kKeyTile * kKeyTile; tile_start < item_hi; tile_start += kKeyTile) {
     const int64_t tile_end = std::min(tile_start + kKeyTile, item_hi);
@@ -316,22 +332,30 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, Scratch<T>& 
     // Left to the arithmetic's own order (16 keys' rows side by side, one 64-byte piece each at a time) the same
     // bytes came from memory at about a third of the speed (measured: a decode step's attention at batch 16,
     // context 512, 45 -> 32 ms on one thread).
-    for_each_span(tile_start, tile_end, [](const Span& span) {
+    for_each_span<T>(a, item, std::max(tile_start, item_lo), tile_end, [](const Span& span) {
       for (int64_t byte = 0; byte < span.bytes; byte += 64) touch(span.begin + byte);
     });
     // A decode item's K/V come from memory once (a prefill item's are read again by the chunk's other items), so
     // the next tile's lines are prefetched into L2 while this tile's scores are computed, spread evenly over
     // their groups of 16: that hides most of the next touch (the batch-16, context-512 attention of 30 layers,
-    // 2 threads: about 25 -> 19 ms). Prefill items measured ~6% slower with it.
+    // 2 threads: about 25 -> 19 ms). Prefill items measured ~6% slower with it. The last tile prefetches the
+    // first tile of the thread's next item when that is a decode item too.
     s.next_spans.clear();
     s.next_span = 0;
     s.next_byte = 0;
     int64_t next_lines = 0;
-    if (item.query_end - item.query_begin == 1 && tile_end < item_hi) {
-      for_each_span(tile_end, std::min(tile_end + kKeyTile, item_hi), [&](const Span& span) {
-        s.next_spans.push_back(span);
-        next_lines += (span.bytes + 63) / 64;
-      });
+    const auto add_span = [&](const Span& span) {
+      s.next_spans.push_back(span);
+      next_lines += (span.bytes + 63) / 64;
+    };
+    if (item.query_end - item.query_begin == 1) {
+      if (tile_end < item_hi) {
+        for_each_span<T>(a, item, tile_end, std::min(tile_end + kKeyTile, item_hi), add_span);
+      } else if (next != nullptr && next->query_end - next->query_begin == 1) {
+        const int64_t position = a.positions[next->query_begin];
+        const int64_t lo = first_key(a, position);
+        for_each_span<T>(a, *next, lo, std::min(lo / kKeyTile * kKeyTile + kKeyTile, position + 1), add_span);
+      }
     }
     const int64_t num_groups = num_rows * (kKeyTile / kLanes);
     s.prefetch_per_group = (next_lines + num_groups - 1) / num_groups;
@@ -377,11 +401,17 @@ void paged_attention(const PagedAttentionArgs& a) {
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t max_rows = std::max(queries_per_item * group, decode_heads * group);
+  // Items go to the threads as they come free, one ahead: a thread takes its next item before it starts the
+  // current one, so that the current one can prefetch the next one's first K/V.
+  std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, num_items)))
   {
     Scratch<T> scratch(max_rows, a.head_dim);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i) attend_item(a, items[i], scratch);
+    for (int64_t i = taken++; i < num_items;) {
+      const int64_t next = taken++;
+      attend_item(a, items[i], next < num_items ? &items[next] : nullptr, scratch);
+      i = next;
+    }
   }
 }
 
