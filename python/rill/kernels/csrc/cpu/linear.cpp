@@ -175,6 +175,16 @@ inline void rows_by_panel(const T* x, const T* packed, T* y, int64_t r_begin, in
   }
 }
 
+// How many runs of panels a decode matmul is cut into: up to 4 per thread, preferring a count that is a multiple
+// of the threads and divides the panels evenly (o_proj's 18 panels on 2 threads: 6 runs of 3, where 9 runs of 2
+// left one thread 10 panels and the other 8); else 4 per thread of sizes differing by at most one panel.
+inline int64_t decode_runs(int64_t num_panels, int64_t num_threads) {
+  for (int64_t runs = 4 * num_threads; runs >= num_threads; runs -= num_threads) {
+    if (num_panels % runs == 0) return runs;
+  }
+  return std::min(num_panels, 4 * num_threads);
+}
+
 }  // namespace
 
 template <typename T>
@@ -204,11 +214,13 @@ void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, 
   if (m <= kRowBlock) {
     // Decode (and small chunks): each weight is read once, the threads taking runs of panels as they come (a
     // few runs per thread, so a thread the OS holds up leaves its runs to the others).
-    const int64_t run = std::max<int64_t>(1, num_panels / (4 * std::max(1, num_threads)));
+    const int64_t num_runs = decode_runs(num_panels, std::max(1, num_threads));
 #pragma omp parallel for schedule(dynamic, 1) \
     num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_panels)))
-    for (int64_t first = 0; first < num_panels; first += run) {
-      for (int64_t p = first; p < std::min(num_panels, first + run); ++p) rows_by_panel(x, packed, y, 0, m, k, n, p);
+    for (int64_t r = 0; r < num_runs; ++r) {
+      for (int64_t p = num_panels * r / num_runs; p < num_panels * (r + 1) / num_runs; ++p) {
+        rows_by_panel(x, packed, y, 0, m, k, n, p);
+      }
     }
     return;
   }
