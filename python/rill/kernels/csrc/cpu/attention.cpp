@@ -315,18 +315,15 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
   const T* k_pool = static_cast<const T*>(a.k_pool);
   const T* v_pool = static_cast<const T*>(a.v_pool);
   const int64_t slot_stride = a.num_kv_heads * head_dim;
-  // Calls visit(index in tile, offset of the key's row in the pools) for the keys [first, end) of a tile.
-  const auto for_each_key = [&](int64_t tile_start, int64_t first, int64_t end, auto&& visit) {
-    for_each_run(a, table, item.kv_head, first, end, [&](int64_t key, int64_t run, int64_t offset) {
-      for (int64_t i = 0; i < run; ++i) visit(key + i - tile_start, offset + i * slot_stride);
-    });
-  };
   for (int64_t tile_start = item_lo / kKeyTile * kKeyTile; tile_start < item_hi; tile_start += kKeyTile) {
     const int64_t tile_end = std::min(tile_start + kKeyTile, item_hi);
-    for_each_key(tile_start, std::max(tile_start, item_lo), tile_end, [&](int64_t j, int64_t offset) {
-      s.k_rows[j] = k_pool + offset;
-      s.v_rows[j] = v_pool + offset;
-    });
+    for_each_run(a, table, item.kv_head, std::max(tile_start, item_lo), tile_end,
+                 [&](int64_t key, int64_t run, int64_t offset) {
+                   for (int64_t i = 0; i < run; ++i) {
+                     s.k_rows[key + i - tile_start] = k_pool + offset + i * slot_stride;
+                     s.v_rows[key + i - tile_start] = v_pool + offset + i * slot_stride;
+                   }
+                 });
     // The tile's K rows, then its V rows, are read into cache first, a byte per cache line in address order: the
     // hardware prefetcher follows such a stream, and the loads are independent, so many are in flight at once.
     // Left to the arithmetic's own order (16 keys' rows side by side, one 64-byte piece each at a time) the same
