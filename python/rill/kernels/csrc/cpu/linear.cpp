@@ -14,8 +14,8 @@
 // 32 outputs (two AVX-512 vectors), an outer product that needs no horizontal sums. A decode batch is one row
 // block: every thread takes runs of panels and reads each weight from memory once, its rows passing over the
 // panel while it stays in L2. Prefill rows are split into equal blocks of at most kRowBlock rows, each against
-// every panel. Threads take work as they finish (dynamic scheduling): on cores shared with the router, a thread
-// that is descheduled for a while does not hold up the whole call.
+// every panel. Threads take work as they finish (guided or dynamic scheduling): on cores shared with the router, a
+// thread that is descheduled for a while leaves the work not yet taken to the others.
 
 #include <ATen/Parallel.h>
 
@@ -175,16 +175,6 @@ inline void rows_by_panel(const T* x, const T* packed, T* y, int64_t r_begin, in
   }
 }
 
-// How many runs of panels a decode matmul is cut into: up to 4 per thread, preferring a count that is a multiple
-// of the threads and divides the panels evenly (o_proj's 18 panels on 2 threads: 6 runs of 3, where 9 runs of 2
-// left one thread 10 panels and the other 8); else 4 per thread of sizes differing by at most one panel.
-inline int64_t decode_runs(int64_t num_panels, int64_t num_threads) {
-  for (int64_t runs = 4 * num_threads; runs >= num_threads; runs -= num_threads) {
-    if (num_panels % runs == 0) return runs;
-  }
-  return std::min(num_panels, 4 * num_threads);
-}
-
 }  // namespace
 
 template <typename T>
@@ -212,16 +202,14 @@ template <typename T>
 void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, int num_threads) {
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   if (m <= kRowBlock) {
-    // Decode (and small chunks): each weight is read once, the threads taking runs of panels as they come (a
-    // few runs per thread, so a thread the OS holds up leaves its runs to the others).
-    const int64_t num_runs = decode_runs(num_panels, std::max(1, num_threads));
-#pragma omp parallel for schedule(dynamic, 1) \
+    // Decode (and small chunks): each weight is read once, the threads taking runs of panels as they come, each
+    // run a share of the panels left (guided scheduling): long runs first, so the weights stream in order, and
+    // runs of one panel at the end, so the threads finish together. Runs of fixed size left one thread waiting
+    // for the other's last run: a float32 decode step at batch 16, context 512, 37.7 -> 36.6 ms; batch 32
+    // about 7% faster with the prefetch change of attention.cpp.
+#pragma omp parallel for schedule(guided, 1) \
     num_threads(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_panels)))
-    for (int64_t r = 0; r < num_runs; ++r) {
-      for (int64_t p = num_panels * r / num_runs; p < num_panels * (r + 1) / num_runs; ++p) {
-        rows_by_panel(x, packed, y, 0, m, k, n, p);
-      }
-    }
+    for (int64_t p = 0; p < num_panels; ++p) rows_by_panel(x, packed, y, 0, m, k, n, p);
     return;
   }
   // Prefill: tasks of a block of rows (blocks of equal size, at most kRowBlock) against a block of panels.
