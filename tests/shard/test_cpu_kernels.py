@@ -345,3 +345,45 @@ def test_empty_huge_pages_is_zeroed_writable_and_asks_for_huge_pages():
     if not thp.is_file() or "[never]" in thp.read_text():
         pytest.skip("this kernel has no transparent huge pages to ask for")
     assert re.search(r"THPeligible:\s+1", smaps_entry(t.data_ptr()))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 49_153])
+def test_argmax_rows_is_torch_max_index_with_ties_nan_and_infinities(n: int) -> None:
+    torch.manual_seed(n)
+    x = torch.randn(8, n) * 5
+    x[1] = float("-inf")  # every token masked: torch picks the first
+    x[2, n // 2 :] = float("-inf")
+    x[3, n - 1] = float("nan")  # a NaN is the maximum, wherever the largest number is
+    x[4, [n // 3, n - 1]] = 100.0  # a tie: the first wins
+    x[5, [0, n - 1]] = float("nan")
+    x[6, n - 1] = float("inf")
+    assert torch.equal(cpu.argmax_rows(x), x.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 49_153])
+def test_softmax_stats_give_log_softmax(n: int) -> None:
+    torch.manual_seed(n)
+    x = torch.randn(6, n) * 8
+    x[1, (n + 1) // 2 :] = float("-inf")  # masked tokens add nothing
+    x[2] += 1000.0  # large logits: the max is taken out before exp
+    row_max, log_sum = cpu.softmax_stats(x)
+    assert torch.equal(row_max, x.amax(dim=-1))
+    torch.testing.assert_close((x - row_max[:, None]) - log_sum[:, None], x.log_softmax(dim=-1))
+
+
+def test_row_reductions_do_not_depend_on_the_other_rows_or_threads() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 4096)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # the rows split over 2 threads, then each alone on 1
+        argmax = cpu.argmax_rows(x)
+        row_max, log_sum = cpu.softmax_stats(x)
+        torch.set_num_threads(1)
+        for i in range(16):
+            alone_max, alone_log_sum = cpu.softmax_stats(x[i : i + 1])
+            assert cpu.argmax_rows(x[i : i + 1]).item() == argmax[i].item()
+            assert torch.equal(bits(alone_max), bits(row_max[i : i + 1]))
+            assert torch.equal(bits(alone_log_sum), bits(log_sum[i : i + 1]))
+    finally:
+        torch.set_num_threads(threads)

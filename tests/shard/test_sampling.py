@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from rill.kernels import cpu as cpu_kernels
+from rill.shard.layers.backend import Backend
 from rill.shard.sampling import SamplingBatch, SamplingParams, apply_top_k_top_p, sample, uniform_noise
 
 CPU = torch.device("cpu")
@@ -68,3 +71,28 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     frequencies = torch.bincount(tokens, minlength=4).float() / num_draws
     tolerance = 4 * math.sqrt(0.25 / num_draws)
     assert (frequencies - probs).abs().max() < tolerance, frequencies
+
+
+@pytest.mark.skipif(not cpu_kernels.is_available(), reason="no C++ compiler or ninja for the CPU kernels")
+def test_cpu_kernel_row_reductions_sample_as_torch() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1000) * 3
+    logits[2, [10, 500]] = 20.0  # a tie for the greedy row: the first wins either way
+    params = [
+        SamplingParams(top_n_logprobs=5),
+        SamplingParams(do_sample=True, temperature=0.8, top_k=50, seed=1, top_n_logprobs=2),
+        SamplingParams(),
+        SamplingParams(do_sample=True, seed=2),
+        SamplingParams(repetition_penalty=1.3, top_n_logprobs=3),
+        SamplingParams(do_sample=True, top_p=0.5, seed=3),
+    ]
+    batch = SamplingBatch.build(params, [4] * 6, CPU, histories=[[1, 2, 3]] * 6, vocab_size=1000)
+    torch_out = sample(logits, batch, Backend.TORCH)
+    kernel_out = sample(logits, batch, Backend.CPU)
+    assert torch_out.token_ids[2].item() == 10
+    assert torch.equal(kernel_out.token_ids, torch_out.token_ids)
+    assert torch.equal(kernel_out.top_token_ids, torch_out.top_token_ids)
+    torch.testing.assert_close(kernel_out.logprobs, torch_out.logprobs)
+    torch.testing.assert_close(kernel_out.top_logprobs, torch_out.top_logprobs)
+    raw = logits.log_softmax(-1)[torch.arange(6), kernel_out.token_ids]
+    torch.testing.assert_close(kernel_out.logprobs, raw)

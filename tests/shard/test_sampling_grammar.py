@@ -48,7 +48,7 @@ def test_constrained_rows_sample_only_allowed_tokens_and_others_are_unchanged() 
         assert constrained.token_ids[1].item() in allowed
         assert torch.equal(constrained.token_ids[2:], free.token_ids[2:])
         raw = logits.log_softmax(dim=-1).gather(-1, constrained.token_ids[:, None]).squeeze(-1)
-        assert torch.allclose(constrained.logprobs, raw)
+        torch.testing.assert_close(constrained.logprobs, raw)  # float32 rounding of log-softmax apart
 
 
 def test_noise_never_reaches_one_so_masked_tokens_never_win() -> None:

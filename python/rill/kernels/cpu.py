@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc" / "cpu"
-SOURCES = ("binding.cpp", "attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp")
+SOURCES = ("binding.cpp", "attention.cpp", "decoder.cpp", "elementwise.cpp", "linear.cpp", "rows.cpp")
 HEADERS = ("ops.h", "vec.h")
 # -ffp-contract=off: no implicit fused multiply-adds, so each product rounds where the torch reference rounds;
 # the kernels ask for FMAs explicitly where they want them.
@@ -194,6 +194,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], x2.shape[1] // 2), dtype=x.dtype)
     load().silu_and_mul(out, x2)
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The index of each row's first maximum, int64 [rows], for float32 x [rows, n] (torch's
+    `x.max(dim=-1).indices`, a NaN counting as the maximum), in a vectorised pass: torch's reduction with
+    indices took ~350 us on [16, 49152] logits on 2 threads, this ~55 us."""
+    return load().argmax_rows(x.contiguous())
+
+
+def softmax_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and the log of its sum of exp(x - max), float32 [rows] each, for float32 x [rows, n]:
+    log_softmax(x)[:, j] = (x[:, j] - max) - log_sum, without writing the [rows, n] result."""
+    return load().softmax_stats(x.contiguous())
 
 
 def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -310,6 +310,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return y;
 }
 
+// x must be a contiguous float32 CPU matrix [rows, n] with n >= 1.
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous float32 CPU tensor [rows, n], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) >= 1, "x must have at least one column");
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x);
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  rill_cpu::argmax_rows(x.const_data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>(), num_threads());
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> softmax_stats(const at::Tensor& x) {
+  check_rows(x);
+  auto row_maxes = at::empty({x.size(0)}, x.options());
+  auto log_sums = at::empty({x.size(0)}, x.options());
+  rill_cpu::softmax_stats(x.const_data_ptr<float>(), x.size(0), x.size(1), row_maxes.data_ptr<float>(),
+                          log_sums.data_ptr<float>(), num_threads());
+  return {row_maxes, log_sums};
+}
+
 // One decoder layer's weights as the shard hands them over: norms [hidden], projections packed by pack_linear,
 // optional biases [out features].
 struct DecoderLayerWeights {
@@ -485,6 +508,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_shape", &packed_shape_of);
   m.def("pack_linear", &pack_linear, release_gil);
   m.def("linear", &linear, release_gil);
+  m.def("argmax_rows", &argmax_rows, release_gil);
+  m.def("softmax_stats", &softmax_stats, release_gil);
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
       .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,
                     at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,

@@ -70,6 +70,13 @@ void pack_linear(const T* w, T* packed, int64_t n, int64_t k);
 template <typename T>
 void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, int num_threads);
 
+// Sampler reductions over float32 rows x [num_rows, n] (rows.cpp). argmax_rows: the index of each row's first
+// maximum, a NaN counting as the maximum (torch's max(dim=-1).indices). softmax_stats: each row's max and the log
+// of its sum of exp(x - max), so that log_softmax(x)[j] = (x[j] - max) - log_sum.
+void argmax_rows(const float* x, int64_t num_rows, int64_t n, int64_t* out, int num_threads);
+void softmax_stats(const float* x, int64_t num_rows, int64_t n, float* row_maxes, float* log_sums,
+                   int num_threads);
+
 // One Llama-family decoder layer's weights (elements of T): projections packed by pack_linear, biases null when
 // absent.
 struct DecoderLayer {

@@ -103,6 +103,8 @@ inline float reduce_add(Vec16 a) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 inline float reduce_max(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
+inline Mask is_nan(Vec16 a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
+inline Mask equal(Vec16 a, Vec16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
 // out lane i = the sum of a[i]'s lanes, by a fixed tree per i (pairs of lanes, then pairs of pairs, ...); a[i]
 // enters no other lane, so what the other vectors hold never changes lane i. Always inlined: called out of line
 // (gcc did so in the bfloat16 score loop) its 16 inputs go through the stack (measured: a batch-16, context-512
@@ -197,6 +199,16 @@ inline float reduce_add(Vec16 a) {
 inline float reduce_max(Vec16 a) {
   float m = a.v[0];
   for (int i = 1; i < kLanes; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+inline Mask is_nan(Vec16 a) {
+  Mask m = 0;
+  for (int i = 0; i < kLanes; ++i) m |= static_cast<Mask>(std::isnan(a.v[i])) << i;
+  return m;
+}
+inline Mask equal(Vec16 a, Vec16 b) {
+  Mask m = 0;
+  for (int i = 0; i < kLanes; ++i) m |= static_cast<Mask>(a.v[i] == b.v[i]) << i;
   return m;
 }
 // out lane i = reduce_add(a[i]).
