@@ -8,16 +8,6 @@
 #include "ops.h"
 
 namespace rill_cpu {
-namespace {
-
-// Below this many elements a call runs on one thread (a parallel region costs a few microseconds).
-constexpr int64_t kMinParallelElems = 1 << 15;
-
-int threads_for(int64_t num_elems, int num_threads) {
-  return num_elems >= kMinParallelElems ? std::max(1, num_threads) : 1;
-}
-
-}  // namespace
 
 template <typename T>
 void store_kv(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, T* k_pool, T* v_pool,

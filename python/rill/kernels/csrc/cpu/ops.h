@@ -8,6 +8,11 @@
 
 namespace rill_cpu {
 
+// Threads for a call over num_elems elements: one below 2^15 (a parallel region costs a few microseconds).
+inline int threads_for(int64_t num_elems, int num_threads) {
+  return num_elems >= (int64_t{1} << 15) ? (num_threads > 1 ? num_threads : 1) : 1;
+}
+
 struct PagedAttentionArgs {
   void* out;                 // [num_tokens, num_heads, head_dim], contiguous
   const void* q;             // [num_tokens, num_heads, head_dim], rows `q_token_stride` elements apart

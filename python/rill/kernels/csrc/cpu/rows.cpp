@@ -10,13 +10,6 @@
 namespace rill_cpu {
 namespace {
 
-// Elements per call from which the rows are split over the threads.
-constexpr int64_t kMinParallelElems = 1 << 15;
-
-int threads_for(int64_t num_elems, int num_threads) {
-  return num_elems >= kMinParallelElems ? std::max(1, num_threads) : 1;
-}
-
 // The largest element of x[0..n) (n >= 1, no NaN).
 float row_max(const float* x, int64_t n) {
   Vec16 lanes = broadcast(-std::numeric_limits<float>::infinity());
