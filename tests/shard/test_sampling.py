@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 from rill.kernels import cpu as cpu_kernels
-from rill.shard.layers.backend import Backend
 from rill.shard.sampling import SamplingBatch, SamplingParams, apply_top_k_top_p, sample, uniform_noise
 
 CPU = torch.device("cpu")
@@ -87,8 +86,8 @@ def test_cpu_kernel_row_reductions_sample_as_torch() -> None:
         SamplingParams(do_sample=True, top_p=0.5, seed=3),
     ]
     batch = SamplingBatch.build(params, [4] * 6, CPU, histories=[[1, 2, 3]] * 6, vocab_size=1000)
-    torch_out = sample(logits, batch, Backend.TORCH)
-    kernel_out = sample(logits, batch, Backend.CPU)
+    torch_out = sample(logits, batch, use_cpu_kernels=False)
+    kernel_out = sample(logits, batch, use_cpu_kernels=True)
     assert torch_out.token_ids[2].item() == 10
     assert torch.equal(kernel_out.token_ids, torch_out.token_ids)
     assert torch.equal(kernel_out.top_token_ids, torch_out.top_token_ids)

@@ -359,7 +359,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             allowed_token_bitmasks=[masks.get(seq_id, ()) for seq_id in batch.sample_ids],
         )
-        out = sample(logits, sampling, self.backend)
+        out = sample(logits, sampling, use_cpu_kernels=self.backend is Backend.CPU)
         generations = [
             Generation(
                 id=seq_id,
