@@ -10,14 +10,27 @@
 namespace rill_cpu {
 namespace {
 
-// The largest element of x[0..n) (n >= 1, no NaN).
-float row_max(const float* x, int64_t n) {
+// The largest element of x[0..n) (n >= 1) with NaNs left aside, and whether x holds a NaN: one pass.
+struct RowMax {
+  float max;
+  bool has_nan;
+};
+
+RowMax row_max(const float* x, int64_t n) {
   Vec16 lanes = broadcast(-std::numeric_limits<float>::infinity());
+  Mask nan_lanes = 0;
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) lanes = max(load(x + i), lanes);
-  float m = reduce_max(lanes);
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec16 v = load(x + i);
+    nan_lanes |= is_nan(v);
+    lanes = max(v, lanes);  // a NaN lane of v loses to lanes
+  }
+  RowMax result{reduce_max(lanes), nan_lanes != 0};
+  for (; i < n; ++i) {
+    result.has_nan |= std::isnan(x[i]);
+    result.max = x[i] > result.max ? x[i] : result.max;
+  }
+  return result;
 }
 
 // The first i in [0, n) whose lane `test` (Vec16 -> Mask) marks, or n. The ragged tail is read through a buffer
@@ -39,21 +52,20 @@ int64_t first_marked(const float* x, int64_t n, float pad, Test test) {
   return n;
 }
 
-int64_t first_nan(const float* x, int64_t n) { return first_marked(x, n, 0.0f, is_nan); }
-
 }  // namespace
 
 void argmax_rows(const float* x, int64_t num_rows, int64_t n, int64_t* out, int num_threads) {
 #pragma omp parallel for num_threads(threads_for(num_rows * n, num_threads))
   for (int64_t r = 0; r < num_rows; ++r) {
     const float* row = x + r * n;
-    const int64_t nan = first_nan(row, n);  // as torch's max(dim=-1): a NaN is the maximum, the first one wins
-    if (nan < n) {
-      out[r] = nan;
+    const RowMax m = row_max(row, n);
+    if (m.has_nan) {  // as torch's max(dim=-1): a NaN is the maximum, the first one wins
+      out[r] = first_marked(row, n, 0.0f, is_nan);
       continue;
     }
-    const Vec16 m = broadcast(row_max(row, n));
-    out[r] = first_marked(row, n, std::numeric_limits<float>::quiet_NaN(), [&](Vec16 v) { return equal(v, m); });
+    const Vec16 target = broadcast(m.max);
+    out[r] = first_marked(row, n, std::numeric_limits<float>::quiet_NaN(),
+                          [&](Vec16 v) { return equal(v, target); });
   }
 }
 
@@ -62,7 +74,8 @@ void softmax_stats(const float* x, int64_t num_rows, int64_t n, float* row_maxes
 #pragma omp parallel for num_threads(threads_for(num_rows * n, num_threads))
   for (int64_t r = 0; r < num_rows; ++r) {
     const float* row = x + r * n;
-    const float m = first_nan(row, n) < n ? std::numeric_limits<float>::quiet_NaN() : row_max(row, n);
+    const RowMax row_stats = row_max(row, n);
+    const float m = row_stats.has_nan ? std::numeric_limits<float>::quiet_NaN() : row_stats.max;
     const Vec16 shift = broadcast(m);
     Vec16 sums = zeros();
     int64_t i = 0;
