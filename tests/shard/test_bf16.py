@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rill.kernels import cpu
 from rill.shard import default_model
 from rill.shard.config import ShardConfig
 from rill.shard.layers.attention import ForwardContext, forward_context
@@ -60,6 +61,8 @@ def tokenizer(model_dir: Path):
 def test_bf16_runs_the_cpu_kernels_with_a_bf16_pool(runner: ModelRunner) -> None:
     assert runner.backend is Backend.CPU
     assert runner.kv_cache is not None and runner.kv_cache.k[0].dtype == torch.bfloat16
+    # K in pairs of dims (rill.kernels.cpu.k_pool_shape) where the CPU has AVX512-BF16
+    assert runner.kv_cache.k[0].dim() == (5 if cpu.load().HAS_AVX512_BF16 else 4)
 
 
 def test_teacher_forced_logits_agree_with_transformers(runner: ModelRunner, hf, tokenizer) -> None:

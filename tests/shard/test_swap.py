@@ -15,14 +15,17 @@ from rill.shard.runner import ModelRunner
 from .conftest import chunk
 
 
-def test_blocks_copied_out_and_back_are_bit_identical() -> None:
-    cache = KVCache(num_layers=3, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=8,
-                    dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "kernel_layout"),
+    [(torch.float32, 4, False), (torch.bfloat16, 16, True)],  # the second: K in pairs where the CPU has bf16
+)
+def test_blocks_copied_out_and_back_are_bit_identical(dtype, block_size, kernel_layout) -> None:
+    cache = KVCache(3, 9, block_size, 2, 8, dtype, torch.device("cpu"), kernel_layout=kernel_layout)
     cache.allocate_host_pool(6)
     assert cache.num_host_blocks == 6
     generator = torch.Generator().manual_seed(0)
     for pool in (*cache.k, *cache.v):
-        pool.copy_(torch.randn(pool.shape, generator=generator))
+        pool.copy_(torch.randn(pool.shape, generator=generator).to(dtype))
     originals = [pool[[1, 2, 5]].clone() for pool in (*cache.k, *cache.v)]
     cache.swap_out([1, 2, 5], [4, 1, 3])
     for pool in (*cache.k, *cache.v):

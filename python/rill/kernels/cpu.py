@@ -143,7 +143,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every query row through the paged pool, in one call for the whole batch.
 
-    q: [num_tokens, num_heads, head_dim] (heads contiguous, any token stride); sequence i owns rows
+    q: [num_tokens, num_heads, head_dim] (heads contiguous, any token stride); the pools as `store_kv`
+    writes them; sequence i owns rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] and reads its keys through block_tables[i] (int64, padded with block 0);
     a query at positions[t] = p sees its sequence's keys 0..p (with sliding_window > 0, only those
     > p - sliding_window; with softcap > 0, scores become softcap * tanh(score / softcap)). Query head h uses
@@ -157,11 +158,25 @@ def paged_attention(
     return out
 
 
+def k_pool_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, ...]:
+    """The shape of a K pool for these kernels (V pools are always [num_blocks, block_size, num_kv_heads,
+    head_dim]). bfloat16 on a CPU with AVX512-BF16, with block_size a multiple of 16, keeps K in pairs:
+    [num_blocks, num_kv_heads, head_dim // 2, block_size, 2], row p of a block's KV head holding dims 2p and
+    2p + 1 of each of its slots, so attention scores 16 keys per instruction straight from the pool. Otherwise
+    K is laid out as V."""
+    if dtype == torch.bfloat16 and block_size % 16 == 0 and load().HAS_AVX512_BF16:
+        return (num_blocks, num_kv_heads, head_dim // 2, block_size, 2)
+    return (num_blocks, block_size, num_kv_heads, head_dim)
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Writes k, v [num_tokens, num_kv_heads, head_dim] into flat slots `slot_mapping` (< 0: skipped) of the
-    pools [num_blocks, block_size, num_kv_heads, head_dim], converting to the pool's dtype first."""
+    pools (`k_pool_shape`; v_pool [num_blocks, block_size, num_kv_heads, head_dim]), converting to the pool's
+    dtype first."""
     load().store_kv(k.to(k_pool.dtype), v.to(v_pool.dtype), k_pool, v_pool, slot_mapping)
 
 

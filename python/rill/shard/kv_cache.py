@@ -1,7 +1,9 @@
 """The paged KV pool: per layer, K and V blocks of `block_size` slots, indexed by the router's block ids.
 
-Layout per layer: k and v of shape [num_blocks, block_size, num_kv_heads, head_dim]. Position p of a sequence
-lives in slot `block_table[p // block_size] * block_size + p % block_size`. The router owns every block (it
+Layout per layer: k and v of shape [num_blocks, block_size, num_kv_heads, head_dim]; a pool for the CPU
+kernels keeps k in their layout instead (`kernel_layout`; bfloat16 K in pairs of dims, see
+rill.kernels.cpu.k_pool_shape), and only the kernels read and write it. Position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`. The router owns every block (it
 allocates, shares and frees them); this pool only stores and reads. Block 0 is the null block: the router
 never hands it to a sequence, so anything written there is garbage nobody reads.
 
@@ -27,7 +29,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernel_layout: bool = False,
     ) -> None:
+        """kernel_layout: the pools belong to the CPU kernels (the shard's CPU backend)."""
         if num_blocks < 2:
             raise ValueError(
                 f"the KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
@@ -35,7 +39,8 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
+        k_shape = cpu_kernels.k_pool_shape(*shape, dtype) if kernel_layout else shape
+        self.k = [self._zeros(k_shape, dtype, device) for _ in range(num_layers)]
         self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = torch.device(device)
         self.host_k: list[torch.Tensor] = []
@@ -55,17 +60,17 @@ class KVCache:
         return self.host_k[0].shape[0] if self.host_k else 0
 
     def allocate_host_pool(self, num_host_blocks: int) -> None:
-        """Allocates the swap pool: `num_host_blocks` host blocks (0 = none) shaped like the device blocks."""
+        """Allocates the swap pool: `num_host_blocks` host blocks (0 = none) laid out as the device blocks."""
         self.host_k, self.host_v = [], []
         if num_host_blocks < 2:
             return
-        shape = (num_host_blocks, *self.k[0].shape[1:])
         pin = self.device.type == "cuda"
         for pool, host in ((self.k, self.host_k), (self.v, self.host_v)):
-            for _ in pool:
+            for layer in pool:
                 # Uninitialized: the router only reads host blocks it had written, and untouched pages of
                 # a large pool cost nothing on the CPU.
-                host.append(torch.empty(shape, dtype=self.k[0].dtype, pin_memory=pin))
+                shape = (num_host_blocks, *layer.shape[1:])
+                host.append(torch.empty(shape, dtype=layer.dtype, pin_memory=pin))
 
     def _block_indices(
         self, device_blocks: list[int], host_blocks: list[int]
@@ -112,7 +117,10 @@ class KVCache:
         return self.num_blocks * self.block_size
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatters k, v of shape [num_tokens, num_kv_heads, head_dim] into the flat slots `slot_mapping`."""
+        """Scatters k, v of shape [num_tokens, num_kv_heads, head_dim] into the flat slots `slot_mapping` (the
+        torch reference; a pool in the kernels' layout is written by rill.kernels.cpu.store_kv)."""
+        if self.k[layer].shape != self.v[layer].shape:
+            raise RuntimeError("this K pool is in the CPU kernels' layout: only their store_kv writes it")
         k_slots = self.k[layer].view(self.num_slots, *self.k[layer].shape[2:])
         v_slots = self.v[layer].view(self.num_slots, *self.v[layer].shape[2:])
         k_slots.index_copy_(0, slot_mapping, k.to(k_slots.dtype))

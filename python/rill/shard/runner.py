@@ -168,6 +168,7 @@ class ModelRunner:
             cfg.head_dim,
             self.dtype,
             self.device,
+            kernel_layout=self.backend is Backend.CPU,
         )
 
     def _bytes_per_block(self) -> int:

@@ -12,9 +12,12 @@
 // online softmax in float32 (running max, running sum, rescaled accumulator). Every step's arithmetic is fixed
 // by the query's own position and keys:
 // - score of key j: 16-lane partial products over head_dim chunks in order, then a fixed reduction tree chosen
-//   by j % 16 (reduce16); keys the query does not see enter as zeros in their own lanes only;
+//   by j % 16 (reduce16); keys the query does not see enter as zeros in their own lanes only. With K in pairs
+//   (ops.h, kPairedK) a lane holds one key instead, and sums its pairs of dims times the query's in order (one
+//   AVX512-BF16 step each), with no tree; lanes of keys the query does not see are masked out after;
 // - tile max and exp lane-wise; tile sum in lanes by key position, then the fixed tree;
-// - accumulator lane-wise: rescaled, then one multiply-add per visible key in key order.
+// - accumulator lane-wise: rescaled, then one multiply-add per visible key in key order (bfloat16 with
+//   AVX512-BF16: one pair step per pair of keys (2m, 2m + 1), a key the query does not see entering as zeros).
 // Rows share loads (several rows per pass over the V rows) but never arithmetic, and one row is never split
 // across threads.
 #include <algorithm>
@@ -35,14 +38,10 @@ constexpr int64_t kDecodeRowsPerThread = 4;  // decode rows per thread from whic
 constexpr int kMaxPiece = 8;          // accumulator chunks of one row held in registers at once (128 dims)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// bfloat16 scores use AVX512-BF16 (pairs of bf16 products summed into float32 lanes) where the CPU has it.
-#if defined(__AVX512BF16__)
+// bfloat16 uses AVX512-BF16 (pairs of bfloat16 products summed into float32 lanes) where the CPU has it: for the
+// scores, and for the accumulate with the probabilities rounded to bfloat16.
 template <typename T>
-constexpr bool kPairedBf16 = std::is_same_v<T, bf16>;
-#else
-template <typename T>
-constexpr bool kPairedBf16 = false;
-#endif
+constexpr bool kPairedBf16 = kPairedK && std::is_same_v<T, bf16>;
 
 // Loads the byte at p and drops it: brings its cache line in.
 inline void touch(const char* p) { asm volatile("" : : "r"(*reinterpret_cast<const volatile char*>(p))); }
@@ -64,11 +63,12 @@ struct WorkItem {
 // Per-thread buffers, sized once per call.
 template <typename T>
 struct Scratch {
-  Scratch(int64_t max_rows, int64_t head_dim)
+  Scratch(int64_t max_rows, int64_t max_kv_heads, int64_t head_dim)
       : q(max_rows * head_dim), acc(max_rows * head_dim), probs(max_rows * kKeyTile), row_max(max_rows),
         row_sum(max_rows), rescale(max_rows), lo(max_rows), hi(max_rows), begin(max_rows), end(max_rows),
         active(max_rows), q_raw(max_rows), kv_offset(max_rows), zero_row(head_dim), k_rows(kKeyTile),
-        v_rows(kKeyTile) {}
+        v_rows(kKeyTile), k_groups(max_kv_heads * (kKeyTile / kLanes)),
+        probs_bf16(kPairedBf16<T> ? max_rows * kKeyTile : 0) {}
   std::vector<float> q;      // scaled queries, float32, [rows, head_dim]
   std::vector<float> acc;    // [rows, head_dim]
   std::vector<float> probs;  // this tile's scores, then probabilities, [rows, kKeyTile]
@@ -79,7 +79,11 @@ struct Scratch {
   std::vector<const T*> q_raw;
   std::vector<int64_t> kv_offset;  // row r's K/V within a slot's row of the item's first KV head
   std::vector<T> zero_row;  // stands in for keys a row does not see
-  std::vector<const T*> k_rows, v_rows;  // the current tile's K/V rows, at the item's first KV head
+  std::vector<const T*> k_rows, v_rows;  // the current tile's K (in rows) / V rows, at the item's first KV head
+  // K in pairs: the current tile's groups of 16 keys in the pool, [KV head of the item][group]: row p of a
+  // group (block_size 32-bit pairs apart) holds pair p of each key
+  std::vector<const uint32_t*> k_groups;
+  std::vector<bf16> probs_bf16;  // paired bfloat16 only: probs rounded to bfloat16, [rows, kKeyTile]
   std::vector<Span> next_spans;  // the next tile's K/V bytes to prefetch (decode items)
   size_t next_span = 0;          // the first span not yet prefetched in full
   int64_t next_byte = 0;         // ... and how far into it
@@ -135,22 +139,98 @@ inline Vec16 group_scores(const float* q_scaled, const T* q_raw, const T* const*
   return reduce16(acc);
 }
 
-// Row r's scores for the tile's keys [begin, end) into probs, then its online-softmax step: probabilities in
-// place of the scores, the rescale of its running state, and its running max and sum updated.
+// Row r's scores (scaled) for the tile's keys [begin, end), into probs.
 template <typename T>
-void softmax_step(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
+void row_scores(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
   const int64_t begin = s.begin[r], end = s.end[r];
-  float* scores = s.probs.data() + r * kKeyTile;
-  const int64_t first_group = begin / kLanes * kLanes;
   const T* keys[kLanes];
-  for (int64_t g0 = first_group; g0 < end; g0 += kLanes) {
+  for (int64_t g0 = begin / kLanes * kLanes; g0 < end; g0 += kLanes) {
     for (int i = 0; i < kLanes; ++i) {
       const int64_t j = g0 + i;
       keys[i] = j >= begin && j < end ? s.k_rows[j] + s.kv_offset[r] : s.zero_row.data();
     }
-    store(scores + g0, group_scores(s.q.data() + r * a.head_dim, s.q_raw[r], keys, a.head_dim, a.scale));
+    store(s.probs.data() + r * kKeyTile + g0,
+          group_scores(s.q.data() + r * a.head_dim, s.q_raw[r], keys, a.head_dim, a.scale));
     prefetch_next(s, s.prefetch_per_group);
   }
+}
+
+#if defined(__AVX512BF16__)
+// K in pairs: scores (scaled) of ROWS rows of one KV head for GROUPS groups of 16 keys, k[g] the group's first
+// row of pairs: lane i of group g sums q's pairs of dims times key 16 g + i's, pair by pair. Prefetches the next
+// tile's lines spread over the pairs: `prefetch` lines per 8 pairs.
+template <int ROWS, int GROUPS>
+void paired_scores(Scratch<bf16>& s, const bf16* const* q, const uint32_t* const* k, int64_t pair_stride,
+                   int64_t pairs, float scale, float* const* out, int64_t prefetch) {
+  __m512 acc[ROWS][GROUPS];
+  for (int r = 0; r < ROWS; ++r) {
+    for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (p % 8 == 0) prefetch_next(s, prefetch);
+    __m512bh kp[GROUPS];
+    for (int g = 0; g < GROUPS; ++g) kp[g] = (__m512bh)_mm512_loadu_si512(k[g] + p * pair_stride);
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, q[r] + 2 * p, sizeof pair);
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(pair);
+      for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], qp, kp[g]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int g = 0; g < GROUPS; ++g) {
+      _mm512_storeu_ps(out[r] + g * kLanes, _mm512_mul_ps(acc[r][g], _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+constexpr int kPairedRows = 4;  // rows per paired_scores call: 16 accumulators at 4 groups, with the 4 key loads
+using PairedScores = void (*)(Scratch<bf16>&, const bf16* const*, const uint32_t* const*, int64_t, int64_t, float,
+                              float* const*, int64_t);
+template <int ROWS>
+constexpr PairedScores kPairedScores[kKeyTile / kLanes] = {paired_scores<ROWS, 1>, paired_scores<ROWS, 2>,
+                                                           paired_scores<ROWS, 3>, paired_scores<ROWS, 4>};
+static_assert(kKeyTile / kLanes == 4, "kPairedScores lists one instance per group count of a tile");
+
+// K in pairs: the active rows' scores for the tile, into probs. Runs of up to kPairedRows consecutive rows of one
+// KV head share the key loads, each over the groups its rows see; keys of a group a row does not see are masked
+// by the softmax step.
+inline void paired_tile_scores(const PagedAttentionArgs& a, Scratch<bf16>& s, int64_t num_active) {
+  const int64_t pairs = a.head_dim / 2;
+  const int64_t* active = s.active.data();
+  for (int64_t k = 0; k < num_active;) {
+    int n = 1;
+    while (n < kPairedRows && k + n < num_active && s.kv_offset[active[k + n]] == s.kv_offset[active[k]]) ++n;
+    int64_t g_lo = kKeyTile, g_hi = 0;
+    const bf16* q[kPairedRows];
+    for (int i = 0; i < n; ++i) {
+      g_lo = std::min(g_lo, s.begin[active[k + i]] / kLanes);
+      g_hi = std::max(g_hi, (s.end[active[k + i]] + kLanes - 1) / kLanes);
+      q[i] = s.q_raw[active[k + i]];
+    }
+    float* out[kPairedRows];
+    for (int i = 0; i < n; ++i) out[i] = s.probs.data() + active[k + i] * kKeyTile + g_lo * kLanes;
+    const uint32_t* const* keys = s.k_groups.data() + s.kv_offset[active[k]] / a.head_dim * (kKeyTile / kLanes) + g_lo;
+    const int64_t groups = g_hi - g_lo;
+    const int64_t prefetch = (s.prefetch_per_group * n * groups + (pairs + 7) / 8 - 1) / ((pairs + 7) / 8);
+    switch (n) {
+      case 1: kPairedScores<1>[groups - 1](s, q, keys, a.block_size, pairs, a.scale, out, prefetch); break;
+      case 2: kPairedScores<2>[groups - 1](s, q, keys, a.block_size, pairs, a.scale, out, prefetch); break;
+      case 3: kPairedScores<3>[groups - 1](s, q, keys, a.block_size, pairs, a.scale, out, prefetch); break;
+      default: kPairedScores<4>[groups - 1](s, q, keys, a.block_size, pairs, a.scale, out, prefetch); break;
+    }
+    k += n;
+  }
+}
+#endif
+
+// Row r's online-softmax step over its scores in probs for the tile's keys [begin, end): probabilities in place
+// of the scores, the rescale of its running state, and its running max and sum updated.
+template <typename T>
+void softmax_update(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
+  const int64_t begin = s.begin[r], end = s.end[r];
+  float* scores = s.probs.data() + r * kKeyTile;
+  const int64_t first_group = begin / kLanes * kLanes;
   if (a.softcap > 0.0f) {
     for (int64_t j = begin; j < end; ++j) scores[j] = std::tanh(scores[j] / a.softcap) * a.softcap;
   }
@@ -167,6 +247,12 @@ void softmax_step(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
     const Mask valid = lane_range(static_cast<int>(begin - c0), static_cast<int>(end - c0));
     const Vec16 p = select(valid, exp(sub(load(scores + c0), shift)), zeros());
     store(scores + c0, p);
+#if defined(__AVX512BF16__)
+    if constexpr (kPairedBf16<T>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.probs_bf16.data() + r * kKeyTile + c0),
+                          (__m256i)_mm512_cvtneps_pbh(p.v));
+    }
+#endif
     tile_sum = add(tile_sum, p);
   }
   s.row_sum[r] = s.row_sum[r] * s.rescale[r] + reduce_add(tile_sum);
@@ -205,6 +291,71 @@ void accumulate(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0
   }
 }
 
+#if defined(__AVX512BF16__)
+// Lane i: the bfloat16 pair (a[i], b[i]), for 16 dims of two V rows.
+inline __m512bh interleave16(__m512i order, const bf16* a, const bf16* b) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m512i both =
+      _mm512_inserti64x4(_mm512_castsi256_si512(low), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+  return (__m512bh)_mm512_permutexvar_epi16(order, both);
+}
+
+// accumulate for paired bfloat16: the keys go in pairs (2m, 2m + 1), each pair one AVX512-BF16 step per 16 dims,
+// acc += p[2m] * v[2m] + p[2m + 1] * v[2m + 1] with p rounded to bfloat16. A key of the pair the row does not see
+// enters as a zero V row with p = 0, so the row's arithmetic depends on its own keys only.
+template <int PIECE, int ROWS, bool SAME_KEYS>
+void accumulate_paired(Scratch<bf16>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
+  alignas(64) static constexpr uint16_t kOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kOrder);
+  __m512 acc[ROWS][PIECE];
+  const int64_t kv_offset = s.kv_offset[rows[0]];
+  int64_t lo = s.begin[rows[0]], hi = s.end[rows[0]];
+  const bf16* probs[ROWS];
+  for (int k = 0; k < ROWS; ++k) {
+    const int64_t r = rows[k];
+    lo = std::min(lo, s.begin[r]);
+    hi = std::max(hi, s.end[r]);
+    probs[k] = s.probs_bf16.data() + r * kKeyTile;
+    const __m512 factor = _mm512_set1_ps(s.rescale[r]);
+    for (int c = 0; c < PIECE; ++c) {
+      acc[k][c] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + r * head_dim + (c0 + c) * kLanes), factor);
+    }
+  }
+  const bf16* zero = s.zero_row.data();
+  for (int64_t j = lo & ~int64_t{1}; j < hi; j += 2) {
+    prefetch_next(s, 2 * s.prefetch_per_key);
+    const bool has0 = j >= lo, has1 = j + 1 < hi;  // the pass's rows see key j / j + 1
+    const bf16* v0 = has0 ? s.v_rows[j] + kv_offset : zero;
+    const bf16* v1 = has1 ? s.v_rows[j + 1] + kv_offset : zero;
+    __m512bh v[PIECE];
+    for (int c = 0; c < PIECE; ++c) v[c] = interleave16(order, v0 + (c0 + c) * kLanes, v1 + (c0 + c) * kLanes);
+    for (int k = 0; k < ROWS; ++k) {
+      int32_t pair;
+      std::memcpy(&pair, probs[k] + j, sizeof pair);  // lanes the row does not see hold 0
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(pair);
+      if (!SAME_KEYS) {
+        const int64_t begin = s.begin[rows[k]], end = s.end[rows[k]];
+        const bool sees0 = j >= begin && j < end, sees1 = j + 1 >= begin && j + 1 < end;
+        if (!sees0 && !sees1) continue;
+        if (sees0 != has0 || sees1 != has1) {  // an edge of its keys inside the pass's: its own V pair
+          for (int c = 0; c < PIECE; ++c) {
+            const __m512bh own = interleave16(order, (sees0 ? v0 : zero) + (c0 + c) * kLanes,
+                                              (sees1 ? v1 : zero) + (c0 + c) * kLanes);
+            acc[k][c] = _mm512_dpbf16_ps(acc[k][c], p, own);
+          }
+          continue;
+        }
+      }
+      for (int c = 0; c < PIECE; ++c) acc[k][c] = _mm512_dpbf16_ps(acc[k][c], p, v[c]);
+    }
+  }
+  for (int k = 0; k < ROWS; ++k) {
+    for (int c = 0; c < PIECE; ++c) _mm512_storeu_ps(s.acc.data() + rows[k] * head_dim + (c0 + c) * kLanes, acc[k][c]);
+  }
+}
+#endif
+
 // Rows of one KV head that share the V loads of a pass: as many as leave registers for the V chunks.
 template <int PIECE>
 constexpr int kRowsPerPass = PIECE <= 4 ? 4 : PIECE <= 6 ? 3 : 2;
@@ -215,7 +366,15 @@ void accumulate_rows(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64
   for (int k = 1; k < ROWS; ++k) {
     same_keys &= s.begin[rows[k]] == s.begin[rows[0]] && s.end[rows[k]] == s.end[rows[0]];
   }
-  if (same_keys) {
+  if constexpr (kPairedBf16<T>) {
+#if defined(__AVX512BF16__)
+    if (same_keys) {
+      accumulate_paired<PIECE, ROWS, true>(s, rows, head_dim, c0);
+    } else {
+      accumulate_paired<PIECE, ROWS, false>(s, rows, head_dim, c0);
+    }
+#endif
+  } else if (same_keys) {
     accumulate<PIECE, ROWS, true>(s, rows, head_dim, c0);
   } else {
     accumulate<PIECE, ROWS, false>(s, rows, head_dim, c0);
@@ -275,16 +434,33 @@ inline void for_each_run(const PagedAttentionArgs& a, const int64_t* table, int6
 }
 
 // Calls visit(span) for the item's K rows, then V rows, of the keys [first, end): a block's rows are one span when
-// the item takes all KV heads, one span per row otherwise.
+// the item takes all KV heads, one span per row otherwise. K in pairs: a block's rows of pairs of the item's KV
+// heads are one span when the keys fill the block, one span per row of pairs otherwise.
 template <typename T, typename Visit>
 inline void for_each_span(const PagedAttentionArgs& a, const WorkItem& item, int64_t first, int64_t end,
                           Visit&& visit) {
   const int64_t* table = a.block_tables + item.seq * a.block_table_stride;
-  const int64_t row_bytes = item.num_kv_heads * a.head_dim * static_cast<int64_t>(sizeof(T));
-  const int64_t slot_bytes = a.num_kv_heads * a.head_dim * static_cast<int64_t>(sizeof(T));
+  constexpr int64_t elem = sizeof(T);
+  const int64_t row_bytes = item.num_kv_heads * a.head_dim * elem;
+  const int64_t slot_bytes = a.num_kv_heads * a.head_dim * elem;
+  if (a.paired_k) {
+    const int64_t head_bytes = a.head_dim * a.block_size * elem;  // a KV head's rows of pairs in a block
+    for_each_run(a, table, item.kv_head, first, end, [&](int64_t key, int64_t run, int64_t) {
+      const char* heads = static_cast<const char*>(a.k_pool) +
+                          (table[key / a.block_size] * a.num_kv_heads + item.kv_head) * head_bytes;
+      if (run == a.block_size) {
+        visit(Span{heads, item.num_kv_heads * head_bytes});
+        return;
+      }
+      for (int64_t row = 0; row < item.num_kv_heads * a.head_dim / 2; ++row) {
+        visit(Span{heads + (row * a.block_size + key % a.block_size) * 2 * elem, run * 2 * elem});
+      }
+    });
+  }
   for (const void* pool : {a.k_pool, a.v_pool}) {
+    if (a.paired_k && pool == a.k_pool) continue;
     for_each_run(a, table, item.kv_head, first, end, [&](int64_t, int64_t run, int64_t offset) {
-      const char* row = static_cast<const char*>(pool) + offset * static_cast<int64_t>(sizeof(T));
+      const char* row = static_cast<const char*>(pool) + offset * elem;
       if (item.num_kv_heads == a.num_kv_heads) {
         visit(Span{row, run * row_bytes});
       } else {
@@ -330,10 +506,21 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
     for_each_run(a, table, item.kv_head, std::max(tile_start, item_lo), tile_end,
                  [&](int64_t key, int64_t run, int64_t offset) {
                    for (int64_t i = 0; i < run; ++i) {
-                     s.k_rows[key + i - tile_start] = k_pool + offset + i * slot_stride;
+                     if (!a.paired_k) s.k_rows[key + i - tile_start] = k_pool + offset + i * slot_stride;
                      s.v_rows[key + i - tile_start] = v_pool + offset + i * slot_stride;
                    }
                  });
+    if (a.paired_k) {  // block_size is a multiple of 16, so a group of 16 keys lies in one block
+      const auto* pairs = static_cast<const uint32_t*>(a.k_pool);
+      for (int64_t g = (std::max(tile_start, item_lo) - tile_start) / kLanes; tile_start + g * kLanes < tile_end; ++g) {
+        const int64_t key = tile_start + g * kLanes;
+        for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+          s.k_groups[h * (kKeyTile / kLanes) + g] =
+              pairs + ((table[key / a.block_size] * a.num_kv_heads + item.kv_head + h) * head_dim / 2) * a.block_size +
+              key % a.block_size;
+        }
+      }
+    }
     // The tile's K rows, then its V rows, are read into cache first, a byte per cache line in address order: the
     // hardware prefetcher follows such a stream, and the loads are independent, so many are in flight at once.
     // Left to the arithmetic's own order (16 keys' rows side by side, one 64-byte piece each at a time) the same
@@ -374,8 +561,18 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
       s.begin[r] = std::max(s.lo[r], tile_start) - tile_start;
       s.end[r] = std::min(s.hi[r], tile_end) - tile_start;
       if (s.begin[r] >= s.end[r]) continue;
-      softmax_step(a, s, r);
       s.active[num_active++] = r;
+    }
+    if (a.paired_k) {  // bfloat16 only (the binding checks)
+#if defined(__AVX512BF16__)
+      if constexpr (kPairedBf16<T>) paired_tile_scores(a, s, num_active);
+#endif
+      for (int64_t i = 0; i < num_active; ++i) softmax_update(a, s, s.active[i]);
+    } else {
+      for (int64_t i = 0; i < num_active; ++i) {
+        row_scores(a, s, s.active[i]);
+        softmax_update(a, s, s.active[i]);
+      }
     }
     // About one pass over the tile's keys per KV head of the rows.
     const int64_t key_steps = std::max<int64_t>(1, (num_active + group - 1) / group * kKeyTile);
@@ -419,7 +616,7 @@ void paged_attention(const PagedAttentionArgs& a) {
   std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, num_items)))
   {
-    Scratch<T> scratch(max_rows, a.head_dim);
+    Scratch<T> scratch(max_rows, decode_heads, a.head_dim);
     for (int64_t i = taken++; i < num_items;) {
       const int64_t next = taken++;
       attend_item(a, items[i], next < num_items ? &items[next] : nullptr, scratch);

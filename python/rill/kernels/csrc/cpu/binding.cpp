@@ -32,11 +32,38 @@ int64_t rows_stride(const at::Tensor& t, const char* name) {
   return t.stride(0);
 }
 
-void check_pool(const at::Tensor& pool, const at::Tensor& like, const char* name) {
-  check_cpu(pool, name);
-  check_same_dtype(pool, like, name);
-  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), name,
-              " must be a contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+// A layer's K and V pools: V [num_blocks, block_size, num_kv_heads, head_dim], K the same or, bfloat16 where the
+// build has AVX512-BF16, in pairs [num_blocks, num_kv_heads, head_dim / 2, block_size, 2] (ops.h, kPairedK).
+struct PoolShape {
+  int64_t num_blocks, block_size, num_kv_heads, head_dim;
+  bool paired_k;
+  bool operator==(const PoolShape& o) const {
+    return num_blocks == o.num_blocks && block_size == o.block_size && num_kv_heads == o.num_kv_heads &&
+           head_dim == o.head_dim && paired_k == o.paired_k;
+  }
+};
+
+PoolShape pool_shape(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& like) {
+  for (const auto& [pool, name] : {std::pair{&k_pool, "k_pool"}, std::pair{&v_pool, "v_pool"}}) {
+    check_cpu(*pool, name);
+    check_same_dtype(*pool, like, name);
+    TORCH_CHECK(pool->is_contiguous(), name, " must be contiguous");
+  }
+  TORCH_CHECK(v_pool.dim() == 4, "v_pool must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  const PoolShape shape{v_pool.size(0), v_pool.size(1), v_pool.size(2), v_pool.size(3), k_pool.dim() == 5};
+  if (!shape.paired_k) {
+    TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
+    return shape;
+  }
+  TORCH_CHECK(rill_cpu::kPairedK && like.scalar_type() == at::kBFloat16,
+              "a K pool in pairs needs bfloat16 and a build with AVX512-BF16");
+  TORCH_CHECK(shape.block_size % rill_cpu::kLanes == 0,
+              "a K pool in pairs needs a block_size that is a multiple of 16");
+  TORCH_CHECK(k_pool.sizes() == at::IntArrayRef({shape.num_blocks, shape.num_kv_heads, shape.head_dim / 2,
+                                                 shape.block_size, 2}),
+              "k_pool in pairs must be [num_blocks, num_kv_heads, head_dim / 2, block_size, 2] of v_pool's "
+              "[num_blocks, block_size, num_kv_heads, head_dim]");
+  return shape;
 }
 
 at::Tensor int64_vector(const at::Tensor& t, int64_t numel, const char* name) {
@@ -56,13 +83,11 @@ struct AttentionBatch {
   rill_cpu::PagedAttentionArgs args{};
 };
 
-AttentionBatch attention_batch(int64_t num_tokens, int64_t num_heads, int64_t head_dim, const at::Tensor& k_pool,
-                               const at::Tensor& v_pool, const at::Tensor& block_tables,
-                               const at::Tensor& cu_seqlens_q, const at::Tensor& positions, double scale,
-                               int64_t sliding_window, double softcap) {
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
-  const int64_t num_blocks = k_pool.size(0), block_size = k_pool.size(1), num_kv_heads = k_pool.size(2);
-  TORCH_CHECK(k_pool.size(3) == head_dim, "pool head_dim ", k_pool.size(3), " != q head_dim ", head_dim);
+AttentionBatch attention_batch(int64_t num_tokens, int64_t num_heads, int64_t head_dim, const PoolShape& pools,
+                               const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                               const at::Tensor& positions, double scale, int64_t sliding_window, double softcap) {
+  const int64_t num_blocks = pools.num_blocks, block_size = pools.block_size, num_kv_heads = pools.num_kv_heads;
+  TORCH_CHECK(pools.head_dim == head_dim, "pool head_dim ", pools.head_dim, " != q head_dim ", head_dim);
   TORCH_CHECK(head_dim % rill_cpu::kLanes == 0 && head_dim > 0, "head_dim must be a multiple of 16, got ",
               head_dim);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads (", num_heads, ") must be a multiple of num_kv_heads (",
@@ -109,6 +134,7 @@ AttentionBatch attention_batch(int64_t num_tokens, int64_t num_heads, int64_t he
   args.sliding_window = sliding_window;
   args.softcap = static_cast<float>(softcap);
   args.num_threads = num_threads();
+  args.paired_k = pools.paired_k;
   return batch;
 }
 
@@ -116,12 +142,11 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
                      at::Tensor cu_seqlens_q, at::Tensor positions, double scale, int64_t sliding_window,
                      double softcap) {
   const int64_t q_stride = rows_stride(q, "q");
-  check_pool(k_pool, q, "k_pool");
-  check_pool(v_pool, q, "v_pool");
+  const PoolShape pools = pool_shape(k_pool, v_pool, q);
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
               "out must be contiguous, with q's shape and dtype");
-  AttentionBatch batch = attention_batch(q.size(0), q.size(1), q.size(2), k_pool, v_pool, block_tables,
-                                         cu_seqlens_q, positions, scale, sliding_window, softcap);
+  AttentionBatch batch = attention_batch(q.size(0), q.size(1), q.size(2), pools, block_tables, cu_seqlens_q,
+                                         positions, scale, sliding_window, softcap);
   rill_cpu::PagedAttentionArgs& args = batch.args;
   args.out = out.data_ptr();
   args.q = q.data_ptr();
@@ -148,21 +173,20 @@ at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t num_tokens, int
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping) {
   const int64_t k_stride = rows_stride(k, "k");
   const int64_t v_stride = rows_stride(v, "v");
-  check_pool(k_pool, k, "k_pool");
-  check_pool(v_pool, k, "v_pool");
+  const PoolShape pools = pool_shape(k_pool, v_pool, k);
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.sizes() == k.sizes(), "k and v must match");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
-  TORCH_CHECK(k.size(1) == k_pool.size(2) && k.size(2) == k_pool.size(3), "k rows do not match the pool");
-  const at::Tensor slots = checked_slots(slot_mapping, k.size(0), k_pool.size(0) * k_pool.size(1));
+  TORCH_CHECK(k.size(1) == pools.num_kv_heads && k.size(2) == pools.head_dim, "k rows do not match the pool");
+  const at::Tensor slots = checked_slots(slot_mapping, k.size(0), pools.num_blocks * pools.block_size);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  const int64_t row_elems = k.size(1) * k.size(2);
   if (k.scalar_type() == at::kFloat) {
     rill_cpu::store_kv(k.data_ptr<float>(), k_stride, v.data_ptr<float>(), v_stride, k_pool.data_ptr<float>(),
-                       v_pool.data_ptr<float>(), slot_ptr, k.size(0), row_elems, num_threads());
+                       v_pool.data_ptr<float>(), slot_ptr, k.size(0), pools.num_kv_heads, pools.head_dim,
+                       pools.block_size, pools.paired_k, num_threads());
   } else {
     rill_cpu::store_kv(static_cast<const bf16*>(k.data_ptr()), k_stride, static_cast<const bf16*>(v.data_ptr()),
                        v_stride, static_cast<bf16*>(k_pool.data_ptr()), static_cast<bf16*>(v_pool.data_ptr()),
-                       slot_ptr, k.size(0), row_elems, num_threads());
+                       slot_ptr, k.size(0), pools.num_kv_heads, pools.head_dim, pools.block_size, pools.paired_k,
+                       num_threads());
   }
 }
 
@@ -413,17 +437,16 @@ class DecoderStack {
     TORCH_CHECK(static_cast<int64_t>(k_pools.size()) == num_layers &&
                     static_cast<int64_t>(v_pools.size()) == num_layers,
                 "need one K and one V pool per layer (", num_layers, ")");
-    for (int64_t l = 0; l < num_layers; ++l) {
-      check_pool(k_pools[l], embedded, "k_pool");
-      check_pool(v_pools[l], embedded, "v_pool");
-      TORCH_CHECK(k_pools[l].sizes() == k_pools[0].sizes() && v_pools[l].sizes() == k_pools[0].sizes(),
+    const PoolShape pools = pool_shape(k_pools[0], v_pools[0], embedded);
+    for (int64_t l = 1; l < num_layers; ++l) {
+      TORCH_CHECK(pool_shape(k_pools[l], v_pools[l], embedded) == pools,
                   "every layer's pools must have the same shape");
     }
-    AttentionBatch batch = attention_batch(tokens, num_heads_, head_dim_, k_pools[0], v_pools[0], block_tables,
-                                           cu_seqlens_q, positions, scale_, 0, 0.0);
-    TORCH_CHECK(k_pools[0].size(2) == num_kv_heads_, "the pools hold ", k_pools[0].size(2),
+    AttentionBatch batch = attention_batch(tokens, num_heads_, head_dim_, pools, block_tables, cu_seqlens_q,
+                                           positions, scale_, 0, 0.0);
+    TORCH_CHECK(pools.num_kv_heads == num_kv_heads_, "the pools hold ", pools.num_kv_heads,
                 " KV heads, the stack ", num_kv_heads_);
-    const at::Tensor slots = checked_slots(slot_mapping, tokens, k_pools[0].size(0) * k_pools[0].size(1));
+    const at::Tensor slots = checked_slots(slot_mapping, tokens, pools.num_blocks * pools.block_size);
     auto out = at::empty({tokens, hidden_}, embedded.options());
     if (tokens == 0) return out;
     const int64_t q_size = num_heads_ * head_dim_, qkv_size = q_size + 2 * num_kv_heads_ * head_dim_;

@@ -61,7 +61,8 @@ void decoder_stack(const DecoderStackArgs& a) {
     rotary_embedding<T>(qkv, qkv_size, attention.num_heads, qkv + q_size, qkv_size, attention.num_kv_heads,
                         as<T>(a.cos), as<T>(a.sin), tokens, head_dim, threads);
     store_kv<T>(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, as<T>(layer.k_pool),
-                as<T>(layer.v_pool), a.slots, tokens, kv_size, threads);
+                as<T>(layer.v_pool), a.slots, tokens, attention.num_kv_heads, head_dim, attention.block_size,
+                attention.paired_k, threads);
     attention.k_pool = layer.k_pool;
     attention.v_pool = layer.v_pool;
     attention.sliding_window = layer.sliding_window;

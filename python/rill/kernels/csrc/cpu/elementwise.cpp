@@ -11,12 +11,23 @@ namespace rill_cpu {
 
 template <typename T>
 void store_kv(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, T* k_pool, T* v_pool,
-              const int64_t* slots, int64_t num_tokens, int64_t row_elems, int num_threads) {
+              const int64_t* slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+              bool paired_k, int num_threads) {
+  const int64_t row_elems = num_kv_heads * head_dim;
 #pragma omp parallel for num_threads(threads_for(num_tokens * row_elems, num_threads))
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(k_pool + slots[t] * row_elems, k + t * k_token_stride, row_elems * sizeof(T));
     std::memcpy(v_pool + slots[t] * row_elems, v + t * v_token_stride, row_elems * sizeof(T));
+    if (!paired_k) {
+      std::memcpy(k_pool + slots[t] * row_elems, k + t * k_token_stride, row_elems * sizeof(T));
+      continue;
+    }
+    // Pair p of KV head h goes to row (block, h, p) of the block's pairs, at the slot's column.
+    const int64_t block = slots[t] / block_size, slot = slots[t] % block_size;
+    T* pairs = k_pool + block * block_size * row_elems + 2 * slot;
+    for (int64_t pair = 0; pair < row_elems / 2; ++pair) {
+      std::memcpy(pairs + pair * 2 * block_size, k + t * k_token_stride + 2 * pair, 2 * sizeof(T));
+    }
   }
 }
 
@@ -119,7 +130,7 @@ void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, 
 
 #define RILL_INSTANTIATE(T)                                                                                    \
   template void store_kv<T>(const T*, int64_t, const T*, int64_t, T*, T*, const int64_t*, int64_t, int64_t,   \
-                            int);                                                                             \
+                            int64_t, int64_t, bool, int);                                                     \
   template void fused_add_rms_norm<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t, float, int);     \
   template void rotary_embedding<T>(T*, int64_t, int64_t, T*, int64_t, int64_t, const T*, const T*, int64_t,  \
                                     int64_t, int);                                                            \

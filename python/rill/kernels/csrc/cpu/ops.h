@@ -17,7 +17,7 @@ struct PagedAttentionArgs {
   void* out;                 // [num_tokens, num_heads, head_dim], contiguous
   const void* q;             // [num_tokens, num_heads, head_dim], rows `q_token_stride` elements apart
   int64_t q_token_stride;
-  const void* k_pool;        // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+  const void* k_pool;        // [num_blocks, block_size, num_kv_heads, head_dim], contiguous; or in pairs (paired_k)
   const void* v_pool;
   int64_t block_size;
   int64_t num_kv_heads;
@@ -32,16 +32,27 @@ struct PagedAttentionArgs {
   int64_t sliding_window;    // > 0: only keys at positions > p - sliding_window
   float softcap;             // > 0: scores become softcap * tanh(score / softcap)
   int num_threads;
+  bool paired_k;             // k_pool in pairs: see kPairedK
 };
+
+// A bfloat16 K pool may be kept in pairs, [num_blocks, num_kv_heads, head_dim / 2, block_size, 2]: per block and
+// KV head, row p holds dims (2p, 2p + 1) of each slot side by side. Attention then scores 16 keys per AVX512-BF16
+// step straight from the pool. Only where the build has AVX512-BF16, and with block_size a multiple of 16.
+#if defined(__AVX512BF16__)
+constexpr bool kPairedK = true;
+#else
+constexpr bool kPairedK = false;
+#endif
 
 template <typename T>
 void paged_attention(const PagedAttentionArgs& args);
 
-// Copies row t of k and v ([num_kv_heads * head_dim] elements each) into flat slot slots[t] of the pools;
-// negative slots are skipped.
+// Copies row t of k and v ([num_kv_heads * head_dim] elements each) into flat slot slots[t] of the pools (of
+// `block_size` slots a block; k_pool in pairs when paired_k); negative slots are skipped.
 template <typename T>
 void store_kv(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, T* k_pool, T* v_pool,
-              const int64_t* slots, int64_t num_tokens, int64_t row_elems, int num_threads);
+              const int64_t* slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+              bool paired_k, int num_threads);
 
 // residual_out = x + residual (rounded to T; skipped when residual is null, then x is normalized);
 // out = weight * T(s * rsqrt(mean(s^2) + eps)) in T arithmetic, as RMSNorm in rill/shard/layers/norm.py.
