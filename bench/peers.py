@@ -34,6 +34,12 @@ WORKLOAD = ["--workload", "mixed", "--concurrency", str(CLIENTS), "--max-prompt-
             "--max-output-tokens", "128"]  # fmt: skip
 
 
+def workload(args: argparse.Namespace) -> list[str]:
+    """`python -m bench` flags of the peers workload: `--num-requests` requests through the OpenAI API, every
+    answer running to its drawn length."""
+    return [*WORKLOAD, "--num-requests", str(args.num_requests), "--api", "openai", "--ignore-eos"]
+
+
 def cache_dir() -> Path:
     return Path.home() / ".cache" / "rill" / "llama.cpp" / LLAMA_CPP_VERSION
 
@@ -133,13 +139,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = args.model_id or ensure_default_model()
     binary = llama_server()
     gguf = gguf_of(model_dir, args.dtype)
-    workload = [*WORKLOAD, "--num-requests", str(args.num_requests), "--api", "openai", "--ignore-eos"]
     rill_flags = ["--dtype", args.dtype, "--max-batch-size", str(CLIENTS)]
     with (
         llama_cpp(binary, gguf, args.dtype, args.num_threads) as llama_url,
         suite.rill(args, "peers", *rill_flags) as rill_server,
     ):
-        report = suite.compare_urls(args, llama_url, rill_server.url, *workload)
+        report = suite.compare_urls(args, llama_url, rill_server.url, *workload(args))
     r = report["ratios"]
     print(
         f"\nRill / llama.cpp ({args.dtype}, {args.num_threads} threads): output tokens/s "

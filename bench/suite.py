@@ -7,6 +7,7 @@ against each (back to back, in one run), and prints the ratios that the README r
     python -m bench.suite prefix-cache # shared prefix, 4-turn chat and random prompts, cache on vs off
     python -m bench.suite roofline     # memory bandwidth, GEMM rate, decode steps and prefill vs their floor
     python -m bench.suite peers        # Rill vs llama.cpp's server, same model, workload and machine
+    python -m bench.suite dtypes       # Rill in bfloat16 vs float32 on the peers workload, alternating rounds
     python -m bench.suite constrained  # step time with 0, 8, 32 grammar-constrained sequences of 32; compile
 
 Every suite runs the default model on the CPU unless `--device`/`--model-id` say otherwise; `--json PATH`
@@ -208,6 +209,25 @@ def suite_overhead(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def suite_dtypes(args: argparse.Namespace) -> dict[str, Any]:
+    """Rill in bfloat16 against Rill in float32 on the peers workload: both servers up, `--rounds` rounds of
+    the pair in alternating order, new prompts each round (so no round hits the prefix cache of an earlier
+    one); the machine's speed drifts between runs by more than single runs could resolve."""
+    flags = ["--max-batch-size", str(peers.CLIENTS)]
+    with (
+        rill(args, "float32", "--dtype", "float32", *flags) as f32,
+        rill(args, "bfloat16", "--dtype", "bfloat16", *flags) as bf16,
+    ):
+        alternating = ["--rounds", str(args.rounds), "--fresh-prompts"]
+        report = compare(args, f32, bf16, *peers.workload(args), *alternating)
+    r = report["ratios"]
+    rounds = ", ".join(f"{value:.2f}" for value in report["round_ratios"])
+    print(f"\nbfloat16 / float32 ({args.num_threads} threads): output tokens/s "
+          f"{ratio(r['output_tokens_per_s'])} (by round: {rounds}), TTFT p50 {ratio(r['ttft_ms.p50'])}, "
+          f"ITL p50 {ratio(r['itl_ms.p50'])}")  # fmt: skip
+    return report
+
+
 # Constrained sequences run to max_tokens: at least 40 strings must come before the array may close.
 LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 40}
 
@@ -344,6 +364,7 @@ SUITES = {
     "prefix-cache": suite_prefix_cache,
     "roofline": roofline.run,
     "peers": peers.run,
+    "dtypes": suite_dtypes,
     "constrained": suite_constrained,
 }
 
@@ -358,7 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="rill-router binary (default: what the launcher finds)")  # fmt: skip
     parser.add_argument("--num-requests", type=int, default=24, help="per side (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=6,
-                        help="prefix-cache: rounds of 0%%-hit prompts (default: %(default)s)")  # fmt: skip
+                        help="prefix-cache: rounds of 0%%-hit prompts; dtypes: rounds of the pair "
+                        "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--target-itl-ms", type=float, default=500.0, help="for `itl` (default: %(default)s)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for exact prompt lengths")
     parser.add_argument("--seed", type=int, default=0)
