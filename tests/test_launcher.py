@@ -192,6 +192,13 @@ def test_shard_command(model_dir: Path) -> None:
     )
 
 
+def test_shard_environment_sets_the_spin_count_unless_the_environment_chooses() -> None:
+    env = launcher.shard_environment({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "GOMP_SPINCOUNT": str(launcher.SHARD_SPIN_COUNT)}
+    for own in ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
+        assert launcher.shard_environment({"PATH": "/bin", **own}) == {"PATH": "/bin", **own}
+
+
 # The router's own checks, with the real rill-router: its flags are judged by it alone.
 
 

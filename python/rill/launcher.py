@@ -51,6 +51,11 @@ POLL_INTERVAL_S = 0.1
 # A shard alive but hung (stopped, deadlocked) answers no Health call: after this many missed in a row, one
 # every interval, the launcher kills it, and supervision treats it as a dead shard.
 SHARD_HEALTH_INTERVAL_S = 2.0
+# How long a shard's OpenMP threads spin at the end of a parallel region before they sleep (libgomp counts
+# about 100,000 spins a millisecond): long enough to span the gaps between the kernels of a forward, which
+# otherwise each pay a futex wake, short enough that a thread left waiting after a step soon hands its core
+# to the router. Used where the environment sets neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY.
+SHARD_SPIN_COUNT = 10_000
 SHARD_MISSED_HEALTH_LIMIT = 5
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -524,10 +529,18 @@ def router_is_healthy(base_url: str) -> bool:
         return False
 
 
+def shard_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The shards' environment: `env`, with libgomp's spin count set to SHARD_SPIN_COUNT unless `env` already
+    chooses how OpenMP threads wait."""
+    if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env:
+        return dict(env)
+    return {**env, "GOMP_SPINCOUNT": str(SHARD_SPIN_COUNT)}
+
+
 def serve(config: LaunchConfig, socket_dir: Path, router: RouterLaunch, supervisor: Supervisor) -> None:
     """Starts every component and supervises them until one exits or a signal arrives."""
     socket_paths = [socket_dir / f"shard-{rank}.sock" for rank in range(config.num_shard)]
-    shard_env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    shard_env = shard_environment(os.environ)
     # The ranks rendezvous through a file in the private folder: no port to pick, nothing to race for.
     dist_init_method = f"file://{socket_dir}/dist-init" if config.num_shard > 1 else None
 

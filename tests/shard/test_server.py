@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
+from rill.shard.server import ModelThread
 
 from .conftest import save_tiny_model
 from .test_runner import hf_greedy
@@ -187,3 +190,16 @@ def test_penalties_bias_cached_tokens_and_top_logprobs(
         prefill(6, 0, [81, 82])
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "top_n_logprobs" in error.value.details()
+
+
+def test_the_model_thread_runs_every_call_on_one_thread_off_the_event_loop() -> None:
+    """One OpenMP team per process: loading, warmup and every forward run on the same thread."""
+
+    async def idents() -> tuple[set[int], int]:
+        model_thread = ModelThread()
+        seen = {await model_thread.run(threading.get_ident) for _ in range(5)}
+        seen |= set(await asyncio.gather(*(model_thread.run(threading.get_ident) for _ in range(5))))
+        return seen, threading.get_ident()
+
+    seen, loop_thread = asyncio.run(idents())
+    assert len(seen) == 1 and loop_thread not in seen
