@@ -4,9 +4,9 @@ Run:  python -m rill.shard.server --model-id PATH --socket /tmp/rill-shard-0.soc
       [--dtype float32]
       (tensor parallelism: one process per rank, each with --rank R --world-size N --dist-init-method URL;
       the launcher's --num-shard N does this)
-The model is loaded, warmed up and run on one thread of its own (`ModelThread`), one call at a time, so the event
-loop keeps answering Health. A ValueError from the runner (bad input) becomes INVALID_ARGUMENT with its message;
-the server then carries on.
+The model is loaded, warmed up and run on one thread of its own (`ModelThread`), one call at a time, so the
+event loop keeps answering Health. A ValueError from the runner (bad input) becomes INVALID_ARGUMENT with its
+message; the server then carries on.
 """
 
 from __future__ import annotations
