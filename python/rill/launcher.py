@@ -51,12 +51,12 @@ POLL_INTERVAL_S = 0.1
 # A shard alive but hung (stopped, deadlocked) answers no Health call: after this many missed in a row, one
 # every interval, the launcher kills it, and supervision treats it as a dead shard.
 SHARD_HEALTH_INTERVAL_S = 2.0
+SHARD_MISSED_HEALTH_LIMIT = 5
 # How long a shard's OpenMP threads spin at the end of a parallel region before they sleep (libgomp counts
 # about 100,000 spins a millisecond): long enough to span the gaps between the kernels of a forward, which
 # otherwise each pay a futex wake, short enough that a thread left waiting after a step soon hands its core
 # to the router. Used where the environment sets neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY.
 SHARD_SPIN_COUNT = 10_000
-SHARD_MISSED_HEALTH_LIMIT = 5
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
