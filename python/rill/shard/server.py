@@ -150,6 +150,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def Health(
         self, request: shard_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.HealthResponse:
+        # Not on the model thread: Health answers while a forward holds it (a one-element op, no OpenMP team).
         await asyncio.to_thread(self.runner.health)
         return shard_pb2.HealthResponse()
 
