@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rill.kernels import CSRC, find_cuda_home
+from rill.kernels.cuda import CSRC, find_cuda_home
 
 
 def run(command: list[str]) -> tuple[bool, float, str]:

@@ -22,6 +22,7 @@ from rill.kernels import cpu
 from bench.kernel_cases import AttentionCase, make_case, run_attention
 
 NUM_LAYERS = 30  # the default model's
+OPS = cpu.CpuOps()
 
 
 def decode_case(seed: int = 0) -> AttentionCase:
@@ -39,10 +40,8 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def kernel_call(case: AttentionCase) -> Callable[[], torch.Tensor]:
-    cu_seqlens_q = torch.tensor(case.cu_seqlens_q, dtype=torch.int32)
-    return lambda: cpu.paged_attention(
-        case.q, case.k_pool, case.v_pool, case.block_tables, cu_seqlens_q, case.positions, case.scale
-    )
+    meta = case.metadata()
+    return lambda: OPS.paged_attention(case.q, case.k_pool, case.v_pool, meta, case.scale)
 
 
 def main() -> None:
@@ -59,10 +58,10 @@ def main() -> None:
         f"{'case':<18}{'K/V MB':>8}{'read@30GB/s ms':>16}{'kernel ms':>11}{'torch ref ms':>14}{'speedup':>9}"
     )
     for name, case in cases.items():
-        cpu.store_kv(case.k, case.v, case.k_pool, case.v_pool, case.slot_mapping)
+        OPS.store_kv(case.k, case.v, case.k_pool, case.v_pool, case.slot_mapping)
         kv_bytes = 2 * sum(case.context_lens) * case.k_pool[0, 0].numel() * case.k_pool.element_size()
         kernel = median_ms(kernel_call(case), args.repeats)
-        reference = median_ms(lambda c=case: run_attention(c, use_kernels=False), max(3, args.repeats // 5))
+        reference = median_ms(lambda c=case: run_attention(c, None), max(3, args.repeats // 5))
         print(
             f"{name:<18}{kv_bytes / 1e6:>8.1f}{kv_bytes / 30e9 * 1e3:>16.2f}{kernel:>11.2f}{reference:>14.1f}"
             f"{reference / kernel:>8.0f}x"
@@ -70,7 +69,7 @@ def main() -> None:
     layers = []
     for layer in range(NUM_LAYERS):
         case = decode_case(seed=layer)
-        cpu.store_kv(case.k, case.v, case.k_pool, case.v_pool, case.slot_mapping)
+        OPS.store_kv(case.k, case.v, case.k_pool, case.v_pool, case.slot_mapping)
         layers.append(kernel_call(case))
     step = median_ms(lambda: [call() for call in layers], max(3, args.repeats // 4))
     print(f"decode 16 x 512, {NUM_LAYERS} layers, each its own pools (K/V from memory): {step:.1f} ms a step")

@@ -1,4 +1,5 @@
-"""The one GPU check of rill.kernels: build, correctness against the torch references, timings; one table.
+"""The one GPU check of rill.kernels.cuda: build, correctness against the torch references, timings; one
+table.
 
     python -m bench.gpu_check            (about 2-4 minutes on one H100/H200-class GPU; exit 1 on any FAIL)
 
@@ -17,9 +18,10 @@ import sys
 import time
 
 import torch
-from rill import kernels
-from rill.shard.layers.attention import ForwardContext, KernelMetadata, forward_context
-from rill.shard.layers.backend import Backend, use_backend
+from rill.kernels import cuda
+from rill.kernels.ops import AttentionMetadata
+from rill.shard.layers.attention import ForwardContext, forward_context
+from rill.shard.layers.backend import install_ops
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
 
@@ -29,6 +31,8 @@ from bench.kernel_cases import (
     run_attention,
     run_attention_poisoned,
 )
+
+OPS = cuda.CudaOps()
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 ROWS: list[tuple[str, str, str, str, str]] = []  # check, shape, value, limit, status
@@ -100,8 +104,8 @@ def check_attention() -> None:
         case = make_case(
             [1] * len(contexts), contexts, heads, kv_heads, head_dim, block_size, dtype, seed=seed
         )
-        expected, k_ref, v_ref = run_attention(case, use_kernels=False)
-        actual, k_out, v_out = run_attention(case, use_kernels=True)
+        expected, k_ref, v_ref = run_attention(case, None)
+        actual, k_out, v_out = run_attention(case, OPS)
         shape = f"b{len(contexts)} ctx<={max(contexts)} h{heads}/{kv_heads} d{head_dim} bs{block_size}"
         shape += f" {name[dtype]}"
         error = max(
@@ -124,9 +128,9 @@ def check_attention() -> None:
         prefill_cases
     ):
         case = make_case(query_lens, contexts, heads, kv_heads, head_dim, block_size, dtype, seed=100 + seed)
-        expected, _, _ = run_attention(case, use_kernels=False)
+        expected, _, _ = run_attention(case, None)
         error = max(
-            max_relative_error(run_attention(case, use_kernels=True)[0], expected),
+            max_relative_error(run_attention(case, OPS)[0], expected),
             max_relative_error(run_attention_poisoned(case), expected),
         )
         shape = (
@@ -143,7 +147,7 @@ def check_norm_rotary() -> None:
         x = torch.randn(257, 2048, device="cuda").to(dtype)
         residual = torch.randn(257, 2048, device="cuda").to(dtype)
         expected, expected_residual = norm(x, residual)
-        norm.backend = Backend.CUDA
+        norm.use_ops(OPS)
         actual, actual_residual = norm(x, residual)
         error = max(
             max_relative_error(actual, expected), max_relative_error(actual_residual, expected_residual)
@@ -160,7 +164,7 @@ def check_norm_rotary() -> None:
                 qkv[:, 32 * head_dim : 40 * head_dim].view(300, 8, head_dim),
             )
             out = qkv.clone()
-            rotary.backend = Backend.CUDA
+            rotary.use_ops(OPS)
             rotary(
                 positions,
                 out[:, : 32 * head_dim].view(300, 32, head_dim),
@@ -181,9 +185,7 @@ def check_decode_bandwidth(copy_bytes_per_s: float) -> None:
         k_pool, v_pool = case.k_pool.nan_to_num(0.0), case.v_pool.nan_to_num(0.0)
 
         def decode(case=case, k_pool=k_pool, v_pool=v_pool, meta=meta) -> torch.Tensor:
-            return kernels.paged_decode_attention(
-                case.q, k_pool, v_pool, case.block_tables, meta.context_lens, case.scale, meta.max_context_len
-            )
+            return OPS.paged_attention(case.q, k_pool, v_pool, meta, case.scale)
 
         ms = time_ms(decode)
         kv_bytes = 2 * 64 * 4096 * kv_heads * head_dim * 2
@@ -224,26 +226,11 @@ def check_end_to_end() -> None:
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device="cuda")
     slots = block_tables[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
     input_ids = torch.randint(0, 128256, (batch,), device="cuda")
-    meta = KernelMetadata(
-        torch.full((batch,), context, dtype=torch.int32, device="cuda"),
-        torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        1,
-        context,
-        True,
-    )
+    meta = AttentionMetadata.build(list(range(batch + 1)), [context] * batch, block_tables, slots, positions)
 
     def step(use_kernels: bool):
-        use_backend(model, Backend.CUDA if use_kernels else Backend.TORCH)
-        ctx = ForwardContext(
-            cache,
-            list(range(batch + 1)),
-            [context] * batch,
-            block_tables,
-            slots,
-            positions,
-            meta if use_kernels else None,
-        )
-        with torch.inference_mode(), forward_context(ctx):
+        install_ops(model, OPS if use_kernels else None)
+        with torch.inference_mode(), forward_context(ForwardContext(cache, meta)):
             return model(input_ids, positions)
 
     with torch.inference_mode():
@@ -293,7 +280,7 @@ def main() -> int:
         return 1
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda})")
     start = time.perf_counter()
-    kernels.load(verbose=False)
+    cuda.load(verbose=False)
     record("build (or cache load)", "rill/kernels/csrc", time.perf_counter() - start, None, "s")
     copy_bytes_per_s = copy_bandwidth()
     record("device copy bandwidth", "1 GiB d2d, read + write", copy_bytes_per_s / 1e9, None, " GB/s")

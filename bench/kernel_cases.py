@@ -1,5 +1,5 @@
-"""Random paged-attention cases and the two ways to run them (torch reference / CUDA kernels), shared by the
-GPU tests (tests/shard/test_kernels.py) and bench/gpu_check.py.
+"""Random paged-attention cases and the ways to run them (torch reference / kernel ops), shared by the kernel
+tests (tests/shard/test_kernels.py, tests/shard/test_cpu_kernels.py) and bench/gpu_check.py.
 
 A case scatters each sequence's blocks over the pool in random order, pads block tables with the null block 0,
 and poisons (NaN) block 0 and every slot past a sequence's context, so a kernel that reads a padded or unused
@@ -8,13 +8,14 @@ slot produces NaN instead of a plausible number. Kernel outputs are poisoned bef
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-from rill import kernels
+from rill.kernels import cuda
+from rill.kernels.ops import AttentionMetadata, KernelOps
 from rill.shard.kv_cache import KVCache
-from rill.shard.layers.attention import ForwardContext, KernelMetadata, PagedAttention, forward_context
-from rill.shard.layers.backend import Backend
+from rill.shard.layers.attention import ForwardContext, PagedAttention, forward_context
 
 
 @dataclass
@@ -31,20 +32,11 @@ class AttentionCase:
     context_lens: list[int]
     scale: float
 
-    @property
-    def is_decode(self) -> bool:
-        return self.cu_seqlens_q[-1] == len(self.context_lens)
-
-    def metadata(self, max_context_len: int | None = None) -> KernelMetadata:
-        device = self.q.device
-        query_lens = [b - a for a, b in zip(self.cu_seqlens_q[:-1], self.cu_seqlens_q[1:], strict=True)]
-        return KernelMetadata(
-            context_lens=torch.tensor(self.context_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor(self.cu_seqlens_q, dtype=torch.int32, device=device),
-            max_query_len=max(query_lens),
-            max_context_len=max_context_len or max(self.context_lens),
-            is_decode=self.is_decode,
+    def metadata(self, max_context_len: int | None = None) -> AttentionMetadata:
+        meta = AttentionMetadata.build(
+            self.cu_seqlens_q, self.context_lens, self.block_tables, self.slot_mapping, self.positions
         )
+        return meta if max_context_len is None else dataclasses.replace(meta, max_context_len=max_context_len)
 
 
 def make_case(
@@ -108,40 +100,32 @@ def _cache_for(case: AttentionCase) -> KVCache:
 
 
 def run_attention(
-    case: AttentionCase, use_kernels: bool, max_context_len: int | None = None
+    case: AttentionCase, ops: KernelOps | None, max_context_len: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shard's PagedAttention layer (store K/V, then attend) on a copy of the case's pools, through the
-    torch reference or the kernels; returns (out, k_pool, v_pool)."""
+    torch reference (ops None) or the kernel ops; returns (out, k_pool, v_pool)."""
     cache = _cache_for(case)
     num_heads, head_dim = case.q.shape[1:]
     layer = PagedAttention(0, num_heads, case.k_pool.shape[2], head_dim, case.scale)
-    layer.backend = Backend.CUDA if use_kernels else Backend.TORCH
-    ctx = ForwardContext(
-        kv_cache=cache,
-        cu_seqlens_q=case.cu_seqlens_q,
-        context_lens=case.context_lens,
-        block_tables=case.block_tables,
-        slot_mapping=case.slot_mapping,
-        positions=case.positions,
-        kernels=case.metadata(max_context_len) if use_kernels else None,
-    )
+    layer.use_ops(ops)
+    ctx = ForwardContext(cache, case.metadata(max_context_len))
     with torch.inference_mode(), forward_context(ctx):
         out = layer(case.q, case.k, case.v)
     return out, cache.k[0], cache.v[0]
 
 
 def run_attention_poisoned(case: AttentionCase, num_splits: int | None = None) -> torch.Tensor:
-    """The attention kernel alone (pool already holding the new K/V) into a NaN-poisoned output."""
+    """The CUDA attention kernel alone (pool already holding the new K/V) into a NaN-poisoned output."""
     cache = _cache_for(case)
-    kernels.store_kv(case.k, case.v, cache.k[0], cache.v[0], case.slot_mapping)
+    cuda.CudaOps().store_kv(case.k, case.v, cache.k[0], cache.v[0], case.slot_mapping)
     meta = case.metadata()
     out = torch.full_like(case.q, float("nan"))
-    ext = kernels.load()
-    if case.is_decode:
+    ext = cuda.load()
+    if meta.is_decode:
         num_seqs, num_heads, head_dim = case.q.shape
         if num_splits is None:
-            sms = kernels.num_sms(case.q.device.index or 0)
-            num_splits = kernels.decode_num_splits(num_seqs, case.k_pool.shape[2], meta.max_context_len, sms)
+            sms = cuda.num_sms(case.q.device.index or 0)
+            num_splits = cuda.decode_num_splits(num_seqs, case.k_pool.shape[2], meta.max_context_len, sms)
         nan, device = float("nan"), case.q.device
         partial_out = torch.full((num_seqs, num_heads, num_splits, head_dim), nan, device=device)
         partial_lse = torch.full((num_seqs, num_heads, num_splits), nan, device=device)

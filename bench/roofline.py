@@ -126,19 +126,21 @@ def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
     torch's GEMM padded to ROW_MULTIPLE rows (the torch reference's batch-invariant form), torch's GEMM
     unpadded (not batch-invariant), and Rill's CPU linear kernel (batch-invariant at any row count)."""
     from rill.kernels import cpu as cpu_kernels
-    from rill.shard.layers.backend import Backend
     from rill.shard.layers.embedding import LMHead
     from rill.shard.layers.linear import Linear, invariant_matmul
 
     layers = [m for m in runner.model.modules() if isinstance(m, Linear | LMHead)]
     # The runner's layers hold packed weights; the same shapes with random values time the same.
-    packed_layers = [m.packed for m in layers if m.packed and m.packed.is_packed]
+    packed_layers = [
+        m.packed for m in layers if m.packed and m.packed.tensor.dtype in cpu_kernels.linear_dtypes()
+    ]
     weights = [torch.randn(p.out_features, p.in_features).to(runner.dtype) for p in packed_layers]
-    packed = {id(w): cpu_kernels.pack_linear(w) for w in weights}
+    ops = cpu_kernels.CpuOps()
+    packed = {id(w): ops.pack_linear(w) for w in weights}
     ways = {
-        "torch padded": lambda x, w: invariant_matmul(x, w, Backend.TORCH),
+        "torch padded": lambda x, w: invariant_matmul(x, w),
         "torch unpadded": lambda x, w: x @ w.T,
-        "rill kernel": lambda x, w: cpu_kernels.linear(x, packed[id(w)], w.shape[0]),
+        "rill kernel": lambda x, w: ops.linear(x, packed[id(w)], w.shape[0]),
     }
     rows = []
     for batch in LINEAR_BATCH_SIZES:

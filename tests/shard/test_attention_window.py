@@ -51,6 +51,7 @@ def test_released_blocks_out_of_the_window_are_never_read(chunk: tuple[int, int]
     """With every layer windowed, the router sends the blocks the window has left as the null block 0,
     whose contents are garbage: the torch path and the CPU kernel give bitwise what the real blocks give."""
     from rill.kernels import cpu
+    from rill.kernels.ops import AttentionMetadata
 
     torch.manual_seed(1)
     block_size, window, head_dim, context_len = 4, 9, 16, 40
@@ -77,12 +78,11 @@ def test_released_blocks_out_of_the_window_are_never_read(chunk: tuple[int, int]
     expected = torch_path(table)
     assert not expected.isnan().any()
     assert torch.equal(torch_path(released), expected)
-    if cpu.is_available():
-        cu_seqlens_q = torch.tensor([0, end - start], dtype=torch.int32)
+    ops = cpu.CpuOps()
+    if ops.unavailable_reason() is None:
 
         def kernel(blocks: torch.Tensor) -> torch.Tensor:
-            return cpu.paged_attention(
-                q, k_pool, v_pool, blocks[None], cu_seqlens_q, positions, scale, sliding_window=window
-            )
+            meta = AttentionMetadata.build([0, end - start], [end], blocks[None], torch.empty(0), positions)
+            return ops.paged_attention(q, k_pool, v_pool, meta, scale, sliding_window=window)
 
         assert torch.equal(kernel(released), kernel(table))

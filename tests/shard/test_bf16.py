@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from rill.kernels import cpu
+from rill.kernels.ops import AttentionMetadata
 from rill.shard import default_model
 from rill.shard.config import ShardConfig
 from rill.shard.layers.attention import ForwardContext, forward_context
-from rill.shard.layers.backend import Backend
 from rill.shard.runner import ModelRunner
 
 from .conftest import chunk, logits_of
@@ -59,25 +59,24 @@ def tokenizer(model_dir: Path):
 
 
 def test_bf16_runs_the_cpu_kernels_with_a_bf16_pool(runner: ModelRunner) -> None:
-    assert runner.backend is Backend.CPU
+    assert isinstance(runner.ops, cpu.CpuOps)
     assert runner.kv_cache is not None and runner.kv_cache.k[0].dtype == torch.bfloat16
-    # K in pairs of dims (rill.kernels.cpu.k_pool_shape) where the CPU has AVX512-BF16
+    # K in pairs of dims (CpuOps.k_pool_shape) where the CPU has AVX512-BF16
     assert runner.kv_cache.k[0].dim() == (5 if cpu.load().HAS_AVX512_BF16 else 4)
 
 
 def test_teacher_forced_logits_agree_with_transformers(runner: ModelRunner, hf, tokenizer) -> None:
     ids = tokenizer(TEXT).input_ids
     seq = chunk(1, ids, 0, first_block=1, block_size=16)
-    ctx = ForwardContext(
-        kv_cache=runner.kv_cache,
-        cu_seqlens_q=[0, len(ids)],
-        context_lens=[len(ids)],
-        block_tables=torch.tensor([seq.block_table]),
-        slot_mapping=torch.tensor([seq.block_table[p // 16] * 16 + p % 16 for p in range(len(ids))]),
-        positions=torch.arange(len(ids)),
+    meta = AttentionMetadata.build(
+        [0, len(ids)],
+        [len(ids)],
+        torch.tensor([seq.block_table]),
+        torch.tensor([seq.block_table[p // 16] * 16 + p % 16 for p in range(len(ids))]),
+        torch.arange(len(ids)),
     )
-    with torch.inference_mode(), forward_context(ctx):
-        ours = runner.model.compute_logits(runner.model(torch.tensor(ids), ctx.positions)).float()
+    with torch.inference_mode(), forward_context(ForwardContext(runner.kv_cache, meta)):
+        ours = runner.model.compute_logits(runner.model(torch.tensor(ids), meta.positions)).float()
     with torch.no_grad():
         theirs = hf(torch.tensor([ids])).logits[0].float()
     agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()

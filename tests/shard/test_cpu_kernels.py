@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from rill.kernels import cpu
+from rill.kernels.ops import AttentionMetadata
 from rill.shard.kv_cache import KVCache
 from rill.shard.layers.attention import tiled_causal_attention
 from rill.shard.layers.norm import RMSNorm
@@ -23,6 +24,7 @@ from rill.shard.layers.rotary import RotaryEmbedding
 
 from bench.kernel_cases import AttentionCase, make_case, max_relative_error
 
+OPS = cpu.CpuOps()
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 # (query_lens, context_lens): decode rows, whole prefills, and decode rows mixed with prefill chunks over a
 # cached prefix; contexts cross the kernel's 64-key tiles and the blocks.
@@ -40,9 +42,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def in_kernel_layout(k_pool: torch.Tensor) -> torch.Tensor:
     """A K pool [num_blocks, block_size, num_kv_heads, head_dim] laid out as the kernels keep it (see
-    `cpu.k_pool_shape`; bfloat16: [num_blocks, num_kv_heads, head_dim / 2, block_size, 2])."""
+    `CpuOps.k_pool_shape`; bfloat16: [num_blocks, num_kv_heads, head_dim / 2, block_size, 2])."""
     num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
-    if cpu.k_pool_shape(*k_pool.shape, k_pool.dtype) == k_pool.shape:
+    if OPS.k_pool_shape(*k_pool.shape, k_pool.dtype) == k_pool.shape:
         return k_pool
     pairs = k_pool.view(num_blocks, block_size, num_kv_heads, head_dim // 2, 2)
     return pairs.permute(0, 2, 3, 1, 4).contiguous()
@@ -61,7 +63,7 @@ def stored_pools(case: AttentionCase, use_kernel: bool) -> tuple[torch.Tensor, t
     or by KVCache.store_kv."""
     if use_kernel:
         k_pool, v_pool = in_kernel_layout(case.k_pool.clone()), case.v_pool.clone()
-        cpu.store_kv(case.k, case.v, k_pool, v_pool, case.slot_mapping)
+        OPS.store_kv(case.k, case.v, k_pool, v_pool, case.slot_mapping)
         return k_pool, v_pool
     num_blocks, block_size, num_kv_heads, head_dim = case.k_pool.shape
     cache = KVCache(1, num_blocks, block_size, num_kv_heads, head_dim, case.k_pool.dtype, torch.device("cpu"))
@@ -89,28 +91,32 @@ def reference_attention(case: AttentionCase, k_pool: torch.Tensor, v_pool: torch
 def kernel_attention(
     case: AttentionCase, k_pool: torch.Tensor, v_pool: torch.Tensor, **options: float
 ) -> torch.Tensor:
-    cu_seqlens_q = torch.tensor(case.cu_seqlens_q, dtype=torch.int32)
-    return cpu.paged_attention(
-        case.q, k_pool, v_pool, case.block_tables, cu_seqlens_q, case.positions, case.scale, **options
-    )
+    return OPS.paged_attention(case.q, k_pool, v_pool, case.metadata(), case.scale, **options)
+
+
+def metadata(tables: torch.Tensor, cu_seqlens_q: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
+    """The metadata of a batch given by its block tables, query boundaries and positions (a sequence's context
+    ends at its last query's position)."""
+    cu = [int(x) for x in cu_seqlens_q]
+    context_lens = [int(positions[end - 1]) + 1 for end in cu[1:]]
+    return AttentionMetadata.build(cu, context_lens, tables, torch.empty(0, dtype=torch.int64), positions)
 
 
 def test_builds_into_the_cache_then_loads():
-    assert cpu.is_available(), cpu.unavailable_reason()
+    assert OPS.unavailable_reason() is None, OPS.unavailable_reason()
     module = cpu.load()
-    assert cpu.unavailable_reason() is None and cpu.is_built()
-    assert Path(module.__file__).parent == cpu.build_dir()
-    assert cpu.build_dir().name.startswith("cpu-")
+    assert OPS.unavailable_reason() is None and cpu.sources().is_built()
+    assert Path(module.__file__).parent == cpu.sources().build_dir()
+    assert cpu.sources().build_dir().name.startswith("cpu-")
 
 
 def test_a_cached_library_loads_without_a_compiler_and_a_missing_one_says_why(monkeypatch):
     cpu.load()
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
-    assert cpu.is_available()
+    assert OPS.unavailable_reason() is None
     assert hasattr(cpu.load.__wrapped__(), "paged_attention")  # imported from the cache, nothing built
-    monkeypatch.setattr(cpu, "is_built", lambda: False)
-    assert not cpu.is_available()
-    assert cpu.unavailable_reason() == "no C++ compiler (g++/c++) on PATH to build Rill's CPU kernels"
+    monkeypatch.setattr(cpu.KernelSources, "is_built", lambda self: False)
+    assert OPS.unavailable_reason() == "no C++ compiler (g++/c++) on PATH to build Rill's CPU kernels"
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         cpu.load.__wrapped__()
 
@@ -198,7 +204,7 @@ def run_rows(
     case: AttentionCase, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: list[tuple[int, int, int]]
 ):
     q, tables, lens, positions = sub_batch(case, rows)
-    return cpu.paged_attention(q, k_pool, v_pool, tables, lens, positions, case.scale)
+    return OPS.paged_attention(q, k_pool, v_pool, metadata(tables, lens, positions), case.scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -257,11 +263,13 @@ def test_attention_rejects_a_block_table_outside_the_pool():
     bad[1, 1] = case.k_pool.shape[0]
     cu_seqlens_q = torch.tensor(case.cu_seqlens_q)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        cpu.paged_attention(case.q, k_pool, v_pool, bad, cu_seqlens_q, case.positions, case.scale)
+        OPS.paged_attention(case.q, k_pool, v_pool, metadata(bad, cu_seqlens_q, case.positions), case.scale)
     far = case.positions.clone()
     far[0] = 16 * case.block_tables.shape[1]
     with pytest.raises(RuntimeError, match="columns"):
-        cpu.paged_attention(case.q, k_pool, v_pool, case.block_tables, cu_seqlens_q, far, case.scale)
+        OPS.paged_attention(
+            case.q, k_pool, v_pool, metadata(case.block_tables, cu_seqlens_q, far), case.scale
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -270,7 +278,7 @@ def test_store_kv_skips_negative_slots_and_rejects_slots_outside(dtype):
     before_v = torch.randn(4, 16, 2, 64).to(dtype)
     k_pool, v_pool = in_kernel_layout(before_k.clone()), before_v.clone()
     k, v = torch.randn(3, 2, 64).to(dtype), torch.randn(3, 2, 64).to(dtype)
-    cpu.store_kv(k, v, k_pool, v_pool, torch.tensor([17, -1, 63]))
+    OPS.store_kv(k, v, k_pool, v_pool, torch.tensor([17, -1, 63]))
     after_k = as_rows(k_pool)
     assert torch.equal(after_k[1, 1], k[0]) and torch.equal(after_k[3, 15], k[2])
     assert torch.equal(v_pool[1, 1], v[0]) and torch.equal(v_pool[3, 15], v[2])
@@ -278,20 +286,20 @@ def test_store_kv_skips_negative_slots_and_rejects_slots_outside(dtype):
     after_k[3, 15], v_pool[3, 15] = before_k[3, 15], before_v[3, 15]
     assert torch.equal(after_k, before_k) and torch.equal(v_pool, before_v)
     with pytest.raises(RuntimeError, match="outside the pool"):
-        cpu.store_kv(k, v, k_pool, v_pool, torch.tensor([0, 1, 64]))
+        OPS.store_kv(k, v, k_pool, v_pool, torch.tensor([0, 1, 64]))
 
 
 def test_a_k_pool_in_pairs_is_checked_and_only_the_kernels_write_it():
-    if len(cpu.k_pool_shape(4, 16, 2, 64, torch.bfloat16)) == 4:
+    if len(OPS.k_pool_shape(4, 16, 2, 64, torch.bfloat16)) == 4:
         pytest.skip("this CPU has no AVX512-BF16: K pools stay in rows")
     k, v = torch.randn(1, 2, 64), torch.randn(1, 2, 64)
     with pytest.raises(RuntimeError, match="needs bfloat16"):
-        cpu.store_kv(k, v, torch.zeros(4, 2, 32, 16, 2), torch.zeros(4, 16, 2, 64), torch.tensor([1]))
+        OPS.store_kv(k, v, torch.zeros(4, 2, 32, 16, 2), torch.zeros(4, 16, 2, 64), torch.tensor([1]))
     k, v = k.bfloat16(), v.bfloat16()
     with pytest.raises(RuntimeError, match="in pairs must be"):
-        cpu.store_kv(k, v, torch.zeros(4, 2, 16, 32, 2).bfloat16(), torch.zeros(4, 32, 2, 64).bfloat16(),
+        OPS.store_kv(k, v, torch.zeros(4, 2, 16, 32, 2).bfloat16(), torch.zeros(4, 32, 2, 64).bfloat16(),
                      torch.tensor([1]))  # fmt: skip
-    cache = KVCache(1, 4, 16, 2, 64, torch.bfloat16, torch.device("cpu"), kernel_layout=True)
+    cache = KVCache(1, 4, 16, 2, 64, torch.bfloat16, torch.device("cpu"), ops=OPS)
     assert cache.k[0].shape == (4, 2, 32, 16, 2) and cache.v[0].shape == (4, 16, 2, 64)
     with pytest.raises(RuntimeError, match="kernels. layout"):
         cache.store_kv(0, k, v, torch.tensor([1]))
@@ -306,7 +314,7 @@ def test_fused_add_rms_norm_matches_rmsnorm(dtype, with_residual):
     norm.weight.data = torch.randn(hidden).to(dtype)
     x = torch.randn(37, hidden).to(dtype)
     residual = torch.randn(37, hidden).to(dtype) if with_residual else None
-    out, new_residual = cpu.fused_add_rms_norm(x, residual, norm.weight, 1e-6)
+    out, new_residual = OPS.fused_add_rms_norm(x, residual, norm.weight, 1e-6)
     if with_residual:
         expected, expected_residual = norm(x, residual)
         assert torch.equal(new_residual, expected_residual)
@@ -330,7 +338,7 @@ def test_rotary_is_bitwise_the_reference_in_place_on_qkv_views(dtype, attention_
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(50, num_kv_heads, head_dim)
     expected_q, expected_k = rotary(positions, q.clone(), k.clone())
     v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
-    cpu.rotary_embedding(q, k, *rotary.cos_sin(positions, dtype))
+    OPS.rotary_embedding(q, k, *rotary.cos_sin(positions, dtype))
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)
 
@@ -341,7 +349,7 @@ def test_silu_and_mul_matches_torch(dtype):
     x = (torch.randn(33, 2 * 200) * 4).to(dtype)
     gate, up = x.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    out = cpu.silu_and_mul(x)
+    out = OPS.silu_and_mul(x)
     assert out.dtype == dtype and out.shape == expected.shape
     assert max_relative_error(out, expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
@@ -352,8 +360,8 @@ def test_silu_and_mul_vector_chunks_equal_the_tail(dtype):
     torch.manual_seed(1)
     x = (torch.randn(9, 2 * 32) * 4).to(dtype)
     gate, up = x.chunk(2, dim=-1)
-    in_chunks = cpu.silu_and_mul(x)  # intermediate 32: two whole chunks
-    in_tail = cpu.silu_and_mul(torch.cat([gate[:, :15], up[:, :15]], dim=-1))  # intermediate 15: all tail
+    in_chunks = OPS.silu_and_mul(x)  # intermediate 32: two whole chunks
+    in_tail = OPS.silu_and_mul(torch.cat([gate[:, :15], up[:, :15]], dim=-1))  # intermediate 15: all tail
     assert torch.equal(in_chunks[:, :15], in_tail)
 
 
@@ -394,7 +402,7 @@ def test_argmax_rows_is_torch_max_index_with_ties_nan_and_infinities(n: int) -> 
     x[4, [n // 3, n - 1]] = 100.0  # a tie: the first wins
     x[5, [0, n - 1]] = float("nan")
     x[6, n - 1] = float("inf")
-    assert torch.equal(cpu.argmax_rows(x), x.max(dim=-1).indices)
+    assert torch.equal(OPS.argmax_rows(x), x.max(dim=-1).indices)
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 17, 49_153])
@@ -403,7 +411,7 @@ def test_softmax_stats_give_log_softmax(n: int) -> None:
     x = torch.randn(6, n) * 8
     x[1, (n + 1) // 2 :] = float("-inf")  # masked tokens add nothing
     x[2] += 1000.0  # large logits: the max is taken out before exp
-    row_max, log_sum = cpu.softmax_stats(x)
+    row_max, log_sum = OPS.softmax_stats(x)
     assert torch.equal(row_max, x.amax(dim=-1))
     torch.testing.assert_close((x - row_max[:, None]) - log_sum[:, None], x.log_softmax(dim=-1))
 
@@ -414,12 +422,12 @@ def test_row_reductions_do_not_depend_on_the_other_rows_or_threads() -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # the rows split over 2 threads, then each alone on 1
-        argmax = cpu.argmax_rows(x)
-        row_max, log_sum = cpu.softmax_stats(x)
+        argmax = OPS.argmax_rows(x)
+        row_max, log_sum = OPS.softmax_stats(x)
         torch.set_num_threads(1)
         for i in range(16):
-            alone_max, alone_log_sum = cpu.softmax_stats(x[i : i + 1])
-            assert cpu.argmax_rows(x[i : i + 1]).item() == argmax[i].item()
+            alone_max, alone_log_sum = OPS.softmax_stats(x[i : i + 1])
+            assert OPS.argmax_rows(x[i : i + 1]).item() == argmax[i].item()
             assert torch.equal(bits(alone_max), bits(row_max[i : i + 1]))
             assert torch.equal(bits(alone_log_sum), bits(log_sum[i : i + 1]))
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rill.kernels.ops import AttentionMetadata
 from rill.shard.layers import attention
 from rill.shard.runner import ModelRunner
 
@@ -93,14 +94,9 @@ def test_tiled_attention_matches_softmax_reference() -> None:
 
 
 def test_forward_context_refuses_nesting(llama_runner: ModelRunner) -> None:
-    ctx = attention.ForwardContext(
-        kv_cache=llama_runner.kv_cache,
-        cu_seqlens_q=[0],
-        context_lens=[],
-        block_tables=torch.zeros(0, 1, dtype=torch.int64),
-        slot_mapping=torch.zeros(0, dtype=torch.int64),
-        positions=torch.zeros(0, dtype=torch.int64),
-    )
+    empty = torch.zeros(0, dtype=torch.int64)
+    meta = AttentionMetadata.build([0], [], torch.zeros(0, 1, dtype=torch.int64), empty, empty)
+    ctx = attention.ForwardContext(llama_runner.kv_cache, meta)
     with attention.forward_context(ctx):
         with pytest.raises(RuntimeError, match="already active"):
             with attention.forward_context(ctx):

@@ -1,9 +1,9 @@
-"""The CUDA kernels (rill.kernels) against the shard's torch references, and the backend dispatch.
+"""The CUDA kernels (rill.kernels.cuda) against the shard's torch references, and the backend dispatch.
 
-CPU tests always run: the backend is chosen once per model (the CPU kernels under auto, the references when
-they cannot run or when asked), the fused residual + RMSNorm equals the
-unfused form bitwise, the decode split heuristic. GPU tests are marked `gpu` and skipped without a CUDA device
-(and nvcc); bench/gpu_check.py is the full sweep with timings.
+CPU tests always run: the kernel ops are chosen once per model (the CPU kernels under auto, the references
+when they cannot run or when asked), the fused residual + RMSNorm equals the unfused form bitwise, the decode
+split heuristic. GPU tests are marked `gpu` and skipped without a CUDA device (and nvcc); bench/gpu_check.py
+is the full sweep with timings.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import logging
 
 import pytest
 import torch
-from rill import kernels
 from rill.kernels import cpu as cpu_kernels
+from rill.kernels import cuda as kernels
 from rill.launcher import shard_command
 from rill.shard.config import ShardConfig
-from rill.shard.layers.backend import Backend, KernelLayer
+from rill.shard.layers.backend import KernelLayer
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
 from rill.shard.server import parse_args
@@ -25,7 +25,9 @@ from bench.kernel_cases import make_case, max_relative_error, run_attention, run
 
 from .conftest import make_runner, save_tiny_model
 
-requires_gpu = pytest.mark.skipif(not kernels.is_available(), reason="needs a CUDA GPU and nvcc")
+requires_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or kernels.find_cuda_home() is None, reason="needs a CUDA GPU and nvcc"
+)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
@@ -66,26 +68,28 @@ def test_launcher_passes_the_backend(monkeypatch, tmp_path):
         )  # fmt: skip
 
 
-def kernel_layer_backends(runner) -> set[Backend]:
-    return {m.backend for m in runner.model.modules() if isinstance(m, KernelLayer)}
+def kernel_layer_ops(runner) -> set[type | None]:
+    return {type(m.ops) if m.ops else None for m in runner.model.modules() if isinstance(m, KernelLayer)}
 
 
 def test_runner_on_cpu_picks_the_cpu_kernels_once(llama_runner):
-    assert llama_runner.backend is Backend.CPU
-    assert kernel_layer_backends(llama_runner) == {Backend.CPU}
+    assert isinstance(llama_runner.ops, cpu_kernels.CpuOps)
+    assert kernel_layer_ops(llama_runner) == {cpu_kernels.CpuOps}
     assert llama_runner.decode_graphs is None
 
 
 def test_torch_backend_runs_the_references(llama_dir):
     runner = make_runner(llama_dir, attention_backend="torch")
-    assert runner.backend is Backend.TORCH and kernel_layer_backends(runner) == {Backend.TORCH}
+    assert runner.ops is None and kernel_layer_ops(runner) == {None}
 
 
 def test_auto_falls_back_to_torch_when_the_kernels_cannot_build(llama_dir, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no C++ compiler (g++/c++) on PATH")
+    monkeypatch.setattr(
+        cpu_kernels.CpuOps, "unavailable_reason", lambda self: "no C++ compiler (g++/c++) on PATH"
+    )
     with caplog.at_level(logging.WARNING):
         runner = make_runner(llama_dir)
-    assert runner.backend is Backend.TORCH and kernel_layer_backends(runner) == {Backend.TORCH}
+    assert runner.ops is None and kernel_layer_ops(runner) == {None}
     assert "no C++ compiler (g++/c++) on PATH: using the torch references" in caplog.text
     with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
         make_runner(llama_dir, attention_backend="cpu")
@@ -95,7 +99,7 @@ def test_a_head_dim_the_cpu_kernel_cannot_run_keeps_the_references(tmp_path):
     path = save_tiny_model(
         tmp_path, hidden_size=40, num_attention_heads=2, num_key_value_heads=1
     )  # head_dim 20
-    assert make_runner(path).backend is Backend.TORCH
+    assert make_runner(path).ops is None
     with pytest.raises(ValueError, match="multiple of 16"):
         make_runner(path, attention_backend="cpu")
 
@@ -130,8 +134,8 @@ def test_decode_splits_fill_the_gpu_and_respect_bounds():
 )
 def test_decode_attention_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size):
     case = make_case([1] * 5, [1, 17, 300, 1000, 2049], num_heads, num_kv_heads, head_dim, block_size, dtype)
-    expected, k_ref, v_ref = run_attention(case, use_kernels=False)
-    actual, k_out, v_out = run_attention(case, use_kernels=True)
+    expected, k_ref, v_ref = run_attention(case, None)
+    actual, k_out, v_out = run_attention(case, kernels.CudaOps())
     assert max_relative_error(actual, expected) <= TOLERANCE[dtype]
     assert torch.equal(k_out.nan_to_num(7.0), k_ref.nan_to_num(7.0))
     assert torch.equal(v_out.nan_to_num(7.0), v_ref.nan_to_num(7.0))
@@ -147,8 +151,8 @@ def test_decode_attention_matches_reference(dtype, head_dim, num_heads, num_kv_h
 def test_prefill_attention_matches_reference(dtype, head_dim, num_heads, num_kv_heads):
     # A fresh prompt, a chunk after a cached prefix, a decode token, in one mixed call.
     case = make_case([40, 33, 1], [40, 300, 77], num_heads, num_kv_heads, head_dim, 16, dtype)
-    expected, _, _ = run_attention(case, use_kernels=False)
-    assert max_relative_error(run_attention(case, use_kernels=True)[0], expected) <= TOLERANCE[dtype]
+    expected, _, _ = run_attention(case, None)
+    assert max_relative_error(run_attention(case, kernels.CudaOps())[0], expected) <= TOLERANCE[dtype]
     assert max_relative_error(run_attention_poisoned(case), expected) <= TOLERANCE[dtype]
 
 
@@ -169,7 +173,8 @@ def test_norm_and_rotary_match_reference(dtype):
     q_ref, k_ref = rotary(
         positions, qkv[:, : 9 * 64].view(33, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(33, 3, 64)
     )
-    norm.backend = rotary.backend = Backend.CUDA
+    norm.use_ops(kernels.CudaOps())
+    rotary.use_ops(kernels.CudaOps())
     out, new_residual = norm(x, residual)
     plain = norm(x)
     qkv_kernel = qkv.clone()

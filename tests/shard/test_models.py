@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rill.kernels.ops import AttentionMetadata
 from rill.shard.layers.attention import ForwardContext, forward_context
 from rill.shard.runner import ModelRunner
 
@@ -18,16 +19,15 @@ def all_position_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tens
     """Logits at every position of a one-sequence prefill (the runner itself computes only sampled rows)."""
     seq = chunk(1, token_ids, 0, first_block=1)
     num_tokens = len(token_ids)
-    ctx = ForwardContext(
-        kv_cache=runner.kv_cache,
-        cu_seqlens_q=[0, num_tokens],
-        context_lens=[num_tokens],
-        block_tables=torch.tensor([seq.block_table]),
-        slot_mapping=torch.tensor([seq.block_table[p // 4] * 4 + p % 4 for p in range(num_tokens)]),
-        positions=torch.arange(num_tokens),
+    meta = AttentionMetadata.build(
+        [0, num_tokens],
+        [num_tokens],
+        torch.tensor([seq.block_table]),
+        torch.tensor([seq.block_table[p // 4] * 4 + p % 4 for p in range(num_tokens)]),
+        torch.arange(num_tokens),
     )
-    with torch.inference_mode(), forward_context(ctx):
-        hidden = runner.model(torch.tensor(token_ids), ctx.positions)
+    with torch.inference_mode(), forward_context(ForwardContext(runner.kv_cache, meta)):
+        hidden = runner.model(torch.tensor(token_ids), meta.positions)
         return runner.model.compute_logits(hidden)
 
 

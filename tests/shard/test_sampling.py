@@ -72,7 +72,10 @@ def test_sampled_frequencies_follow_the_distribution() -> None:
     assert (frequencies - probs).abs().max() < tolerance, frequencies
 
 
-@pytest.mark.skipif(not cpu_kernels.is_available(), reason="no C++ compiler or ninja for the CPU kernels")
+@pytest.mark.skipif(
+    cpu_kernels.CpuOps().unavailable_reason() is not None,
+    reason="no C++ compiler or ninja for the CPU kernels",
+)
 def test_cpu_kernel_row_reductions_sample_as_torch() -> None:
     torch.manual_seed(3)
     logits = torch.randn(6, 1000) * 3
@@ -86,8 +89,8 @@ def test_cpu_kernel_row_reductions_sample_as_torch() -> None:
         SamplingParams(do_sample=True, top_p=0.5, seed=3),
     ]
     batch = SamplingBatch.build(params, [4] * 6, CPU, histories=[[1, 2, 3]] * 6, vocab_size=1000)
-    torch_out = sample(logits, batch, use_cpu_kernels=False)
-    kernel_out = sample(logits, batch, use_cpu_kernels=True)
+    torch_out = sample(logits, batch, None)
+    kernel_out = sample(logits, batch, cpu_kernels.CpuOps())
     assert torch_out.token_ids[2].item() == 10
     assert torch.equal(kernel_out.token_ids, torch_out.token_ids)
     assert torch.equal(kernel_out.top_token_ids, torch_out.top_token_ids)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rill.kernels.cpu import CpuOps
 from rill.shard.batch import BlockCopy, ForwardRequest
 from rill.shard.config import ShardConfig
 from rill.shard.kv_cache import KVCache
@@ -20,7 +21,8 @@ from .conftest import chunk
     [(torch.float32, 4, False), (torch.bfloat16, 16, True)],  # the second: K in pairs where the CPU has bf16
 )
 def test_blocks_copied_out_and_back_are_bit_identical(dtype, block_size, kernel_layout) -> None:
-    cache = KVCache(3, 9, block_size, 2, 8, dtype, torch.device("cpu"), kernel_layout=kernel_layout)
+    ops = CpuOps() if kernel_layout else None
+    cache = KVCache(3, 9, block_size, 2, 8, dtype, torch.device("cpu"), ops=ops)
     cache.allocate_host_pool(6)
     assert cache.num_host_blocks == 6
     generator = torch.Generator().manual_seed(0)

@@ -11,24 +11,27 @@ import time
 
 import torch
 
-from rill import kernels
-from rill.kernels import cpu
+from rill.kernels.cpu import CpuOps
+from rill.kernels.cuda import CudaOps
+from rill.kernels.ops import KernelOps
+
+
+def build(ops: KernelOps) -> None:
+    reason = ops.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"cannot build the {ops.name} kernels: {reason}")
+    start = time.perf_counter()
+    module = ops.load(verbose=ops.name == "cuda")
+    print(f"{ops.name} kernels: built/loaded {module.__file__} in {time.perf_counter() - start:.1f}s")
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    reason = cpu.unavailable_reason()
-    if reason is not None:
-        raise SystemExit(f"cannot build the CPU kernels: {reason}")
-    start = time.perf_counter()
-    module = cpu.load()
-    print(f"CPU kernels: built/loaded {module.__file__} in {time.perf_counter() - start:.1f}s")
+    build(CpuOps())
     if not torch.cuda.is_available():
-        print("CUDA kernels: no CUDA device, skipped (.ci/compile_cuda.py checks their sources)")
+        print("cuda kernels: no CUDA device, skipped (.ci/compile_cuda.py checks their sources)")
         return
-    start = time.perf_counter()
-    module = kernels.load(verbose=True)
-    print(f"CUDA kernels: built/loaded {module.__file__} in {time.perf_counter() - start:.1f}s")
+    build(CudaOps())
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """CUDA graphs of decode steps: captured at warmup for a set of batch sizes, replayed when a step fits one.
 
-Only with the CUDA kernels (their ops allocate no host memory and never sync), on one shard, never on the CPU.
-Each captured size has views into one set of static input buffers sized for the largest; a decode step of n
-sequences replays the smallest captured size >= n after copying its inputs into rows [0, n). Padding rows
-[n, size) are reset on every replay to a harmless dummy: token 0 at position 0, context length 1, block table
-of null block 0 and slot 0, so they write and read only the null block (which no sequence owns).
+Only with kernel ops that can be captured (the CUDA kernels: no host memory, no sync), on one shard, never on
+the CPU. Each captured size has views into one set of static input buffers sized for the largest; a decode
+step of n sequences replays the smallest captured size >= n after copying its inputs into rows [0, n). Padding
+rows [n, size) are reset on every replay to a harmless dummy: token 0 at position 0, context length 1, block
+table of null block 0 and slot 0, so they write and read only the null block (which no sequence owns).
 
 The graphs hold the KV pool's tensors; `ModelRunner.warmup` recaptures whenever it allocates a new pool.
 """
@@ -17,9 +17,11 @@ import time
 import torch
 from torch import nn
 
+from rill.kernels.ops import AttentionMetadata
 from rill.shard.batch import BatchState
 from rill.shard.kv_cache import KVCache
-from rill.shard.layers.attention import ForwardContext, KernelMetadata, forward_context
+from rill.shard.layers.attention import ForwardContext, forward_context
+from rill.shard.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         start = time.perf_counter()
+        for (
+            module
+        ) in model.modules():  # a graph gathers cos/sin from the tables it captured: they must not grow
+            if isinstance(module, RotaryEmbedding):
+                module.table().reserve(max_context_len)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.batch_sizes):  # largest first: the smaller ones reuse its memory pool
             ctx = self._context(kv_cache, size, max_context_len)
@@ -67,21 +74,16 @@ class DecodeGraphs:
         )
 
     def _context(self, kv_cache: KVCache, size: int, max_context_len: int) -> ForwardContext:
-        return ForwardContext(
-            kv_cache=kv_cache,
-            cu_seqlens_q=list(range(size + 1)),
-            context_lens=[1] * size,
+        meta = AttentionMetadata(
             block_tables=self.block_tables[:size],
             slot_mapping=self.slot_mapping[:size],
             positions=self.positions[:size],
-            kernels=KernelMetadata(
-                context_lens=self.context_lens[:size],
-                cu_seqlens_q=self.cu_seqlens_q[: size + 1],
-                max_query_len=1,
-                max_context_len=max_context_len,
-                is_decode=True,
-            ),
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            context_lens=self.context_lens[:size],
+            max_query_len=1,
+            max_context_len=max_context_len,
         )
+        return ForwardContext(kv_cache, meta)
 
     def can_run(self, batch: BatchState) -> bool:
         num_seqs = len(batch.context_lens)

@@ -1,11 +1,11 @@
 """The paged KV pool: per layer, K and V blocks of `block_size` slots, indexed by the router's block ids.
 
-Layout per layer: k and v of shape [num_blocks, block_size, num_kv_heads, head_dim]; a pool for the CPU
-kernels keeps k in their layout instead (`kernel_layout`; bfloat16 K in pairs of dims, see
-rill.kernels.cpu.k_pool_shape), and only the kernels read and write it. Position p of a sequence lives in slot
-`block_table[p // block_size] * block_size + p % block_size`. The router owns every block (it
-allocates, shares and frees them); this pool only stores and reads. Block 0 is the null block: the router
-never hands it to a sequence, so anything written there is garbage nobody reads.
+Layout per layer: k and v of shape [num_blocks, block_size, num_kv_heads, head_dim]; a pool for kernel ops
+keeps k in their layout instead (`KernelOps.k_pool_shape`; the CPU's bfloat16 K in pairs of dims), and only
+the kernels read and write it. Position p of a sequence lives in slot `block_table[p // block_size] *
+block_size + p % block_size`. The router owns every block (it allocates, shares and frees them); this pool
+only stores and reads. Block 0 is the null block: the router never hands it to a sequence, so anything written
+there is garbage nobody reads.
 
 The swap pool (optional, `allocate_host_pool`) mirrors that layout in host memory (pinned on CUDA, so copies
 run at full PCIe speed): the router preempts a sequence by having its blocks copied out to host blocks, and
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from rill.kernels import cpu as cpu_kernels
+from rill.kernels.ops import KernelOps
 
 
 class KVCache:
@@ -29,9 +30,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        kernel_layout: bool = False,
+        ops: KernelOps | None = None,
     ) -> None:
-        """kernel_layout: the pools belong to the CPU kernels (the shard's CPU backend)."""
+        """ops: the kernels that read and write the pools, in their layout (None: the torch references')."""
         if num_blocks < 2:
             raise ValueError(
                 f"the KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
@@ -39,7 +40,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k_shape = cpu_kernels.k_pool_shape(*shape, dtype) if kernel_layout else shape
+        k_shape = shape if ops is None else ops.k_pool_shape(*shape, dtype)
         self.k = [self._zeros(k_shape, dtype, device) for _ in range(num_layers)]
         self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
         self.device = torch.device(device)
@@ -118,9 +119,9 @@ class KVCache:
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatters k, v of shape [num_tokens, num_kv_heads, head_dim] into the flat slots `slot_mapping` (the
-        torch reference; a pool in the kernels' layout is written by rill.kernels.cpu.store_kv)."""
+        torch reference; a pool in a kernel layout is written by the kernels' store_kv)."""
         if self.k[layer].shape != self.v[layer].shape:
-            raise RuntimeError("this K pool is in the CPU kernels' layout: only their store_kv writes it")
+            raise RuntimeError("this K pool is in the kernels' layout: only their store_kv writes it")
         k_slots = self.k[layer].view(self.num_slots, *self.k[layer].shape[2:])
         v_slots = self.v[layer].view(self.num_slots, *self.v[layer].shape[2:])
         k_slots.index_copy_(0, slot_mapping, k.to(k_slots.dtype))

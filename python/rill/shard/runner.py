@@ -16,8 +16,9 @@ import time
 import torch
 from torch import nn
 
-from rill import kernels
-from rill.kernels import cpu as cpu_kernels
+from rill.kernels.cpu import CpuOps
+from rill.kernels.cuda import CudaOps
+from rill.kernels.ops import AttentionMetadata, KernelOps
 from rill.shard import distributed
 from rill.shard.batch import (
     BatchLimits,
@@ -31,8 +32,9 @@ from rill.shard.batch import (
 from rill.shard.config import ShardConfig
 from rill.shard.cuda_graphs import DecodeGraphs
 from rill.shard.kv_cache import KVCache
-from rill.shard.layers.attention import ForwardContext, KernelMetadata, forward_context
-from rill.shard.layers.backend import Backend, unsupported_reasons, use_backend
+from rill.shard.layers.attention import ForwardContext, forward_context
+from rill.shard.layers.backend import install_ops, unsupported_reasons
+from rill.shard.layers.decoder_stack import fuse_decoder_layers
 from rill.shard.memory import available_host_memory
 from rill.shard.models.registry import eos_token_ids, get_model_class, load_hf_config
 from rill.shard.sampling import SamplingBatch, SamplingParams, sample
@@ -107,8 +109,11 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in self.model.parameters())  # before the kernels repack any
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
         self.kv_cache: KVCache | None = None
-        self.backend = self._choose_backend()
-        use_backend(self.model, self.backend)
+        self.ops = self._choose_ops()
+        install_ops(self.model, self.ops)
+        num_fused = fuse_decoder_layers(self.model, self.ops)
+        if num_fused:
+            logger.info("%d decoder layers run as one kernel call per run of layers", num_fused)
         self.decode_graphs: DecodeGraphs | None = None
         self.params_by_id: dict[int, SamplingParams] = {}
         self.history = TokenHistory()
@@ -122,26 +127,24 @@ class ModelRunner:
             config.dtype,
         )
 
-    def _choose_backend(self) -> Backend:
-        """`--attention-backend`: auto runs the device's native kernels when they can run this model here
-        (else the torch references, with a log line saying why); cpu or cuda insist (an error when they
-        cannot); torch always runs the references. The kernels are built (once, cached) or loaded here."""
+    def _choose_ops(self) -> KernelOps | None:
+        """`--attention-backend`: auto runs the device's kernels when they can run this model here (else the
+        torch references, with a log line saying why); cpu or cuda insist (an error when they cannot); torch
+        always runs the references (None). The kernels are built (once, cached) or loaded here."""
         requested = self.config.attention_backend
         if requested == "torch":
-            return Backend.TORCH
-        native = Backend.CUDA if self.device.type == "cuda" else Backend.CPU
-        reasons = unsupported_reasons(self.model, native)
+            return None
+        ops: KernelOps = CudaOps() if self.device.type == "cuda" else CpuOps()
+        reasons = unsupported_reasons(self.model, ops)
         if not reasons:
-            reasons = [reason for reason in [_load_kernels(native)] if reason]
+            reasons = [reason for reason in [_load_kernels(ops)] if reason]
         if reasons:
             if requested != "auto":
                 raise ValueError("; ".join(reasons))
             logger.warning("%s: using the torch references", "; ".join(reasons))
-            return Backend.TORCH
-        logger.info(
-            "kernels: %s", "CPU (rill.kernels.cpu)" if native is Backend.CPU else "CUDA (rill.kernels)"
-        )
-        return native
+            return None
+        logger.info("kernels: %s (rill.kernels.%s)", type(ops).__name__, ops.name)
+        return ops
 
     @property
     def vocab_size(self) -> int:
@@ -168,7 +171,7 @@ class ModelRunner:
             cfg.head_dim,
             self.dtype,
             self.device,
-            kernel_layout=self.backend is Backend.CPU,
+            ops=self.ops,
         )
 
     def _bytes_per_block(self) -> int:
@@ -288,7 +291,8 @@ class ModelRunner:
 
     def _capture_decode_graphs(self, max_batch_size: int, num_blocks: int) -> None:
         max_graph_batch_size = min(max_batch_size, self.config.cuda_graph_max_batch_size)
-        if self.backend is not Backend.CUDA or max_graph_batch_size < 1 or self.config.world_size > 1:
+        can_capture = self.ops is not None and self.ops.captures_cuda_graphs
+        if not can_capture or max_graph_batch_size < 1 or self.config.world_size > 1:
             return
         assert self.kv_cache is not None
         max_context_len = min(self.max_position_embeddings, (num_blocks - 1) * self.config.block_size)
@@ -360,7 +364,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             allowed_token_bitmasks=[masks.get(seq_id, ()) for seq_id in batch.sample_ids],
         )
-        out = sample(logits, sampling, use_cpu_kernels=self.backend is Backend.CPU)
+        out = sample(logits, sampling, self.ops)
         generations = [
             Generation(
                 id=seq_id,
@@ -401,37 +405,23 @@ class ModelRunner:
         for seq in request.sequences:
             if seq.params is not None:
                 self.params_by_id[seq.id] = seq.params
-        ctx = ForwardContext(
-            kv_cache=self.kv_cache,
-            cu_seqlens_q=batch.cu_seqlens_q,
-            context_lens=batch.context_lens,
-            block_tables=batch.block_tables,
-            slot_mapping=batch.slot_mapping,
-            positions=batch.positions,
-        )
         start = time.perf_counter()
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
-            if self.backend is Backend.CUDA:
-                ctx = dataclasses.replace(ctx, kernels=self._kernel_metadata(batch))
-            with forward_context(ctx):
+            meta = AttentionMetadata.build(
+                batch.cu_seqlens_q,
+                batch.context_lens,
+                batch.block_tables,
+                batch.slot_mapping,
+                batch.positions,
+            )
+            with forward_context(ForwardContext(self.kv_cache, meta)):
                 hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return batch, logits, time.perf_counter() - start
-
-    def _kernel_metadata(self, batch: BatchState) -> KernelMetadata:
-        cu = batch.cu_seqlens_q
-        query_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-        return KernelMetadata(
-            context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=self.device),
-            cu_seqlens_q=torch.tensor(batch.cu_seqlens_q, dtype=torch.int32, device=self.device),
-            max_query_len=max(query_lens),
-            max_context_len=max(batch.context_lens),
-            is_decode=max(query_lens) == 1 and batch.num_tokens == len(batch.context_lens),
-        )
 
     def clear(self) -> None:
         """Forgets every sequence (the pool's contents are the router's business and stay allocated)."""
@@ -446,15 +436,13 @@ class ModelRunner:
         assert probe.item() == 2.0
 
 
-def _load_kernels(backend: Backend) -> str | None:
-    """Builds (first time) or loads the kernels of `backend`; why they cannot be used here, or None."""
-    reason = cpu_kernels.unavailable_reason() if backend is Backend.CPU else None
-    if backend is Backend.CUDA and kernels.find_cuda_home() is None:
-        reason = "nvcc not found: install the CUDA toolkit or `pip install 'rill[cuda]'`"
+def _load_kernels(ops: KernelOps) -> str | None:
+    """Builds (first time) or loads `ops`' kernels; why they cannot be used here, or None."""
+    reason = ops.unavailable_reason()
     if reason:
         return reason
     try:
-        cpu_kernels.load() if backend is Backend.CPU else kernels.load()
+        ops.load()
     except (RuntimeError, OSError) as error:  # a failed compile: torch's extension builder says why
-        return f"building the {backend.value} kernels failed ({error})"
+        return f"building the {ops.name} kernels failed ({error})"
     return None

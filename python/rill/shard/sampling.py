@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rill.kernels import cpu as cpu_kernels
+from rill.kernels.ops import KernelOps
 
 _MASK32 = 0xFFFFFFFF
 MAX_TOP_N_LOGPROBS = 20
@@ -361,37 +361,37 @@ def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tens
     return logits.masked_fill(is_removed, float("-inf"))
 
 
-def first_argmax(x: torch.Tensor, use_cpu_kernels: bool) -> torch.Tensor:
-    """The index of each row's first maximum (int64 [rows]) of float32 x [rows, n]: on the CPU kernels a
-    vectorised pass, else torch's max(dim=-1) (a third of argmax's time on the CPU)."""
-    if use_cpu_kernels:
-        return cpu_kernels.argmax_rows(x)
+def first_argmax(x: torch.Tensor, ops: KernelOps | None) -> torch.Tensor:
+    """The index of each row's first maximum (int64 [rows]) of float32 x [rows, n]: with ops that provide it,
+    their `argmax_rows` (the CPU's: a vectorised pass), else torch's max(dim=-1)."""
+    if ops is not None and ops.provides("argmax_rows"):
+        return ops.argmax_rows(x)
     return x.max(dim=-1).indices
 
 
-def softmax_stats(x: torch.Tensor, use_cpu_kernels: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_stats(x: torch.Tensor, ops: KernelOps | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's max and log(sum(exp(x - max))), float32 [rows] each: log_softmax(x)[:, j] =
-    (x[:, j] - max) - log_sum, without the [rows, n] log-probabilities (on the CPU kernels, one vectorised
-    pass per row)."""
-    if use_cpu_kernels:
-        return cpu_kernels.softmax_stats(x)
+    (x[:, j] - max) - log_sum, without the [rows, n] log-probabilities (with ops that provide it, their
+    `softmax_stats`: on the CPU one vectorised pass per row)."""
+    if ops is not None and ops.provides("softmax_stats"):
+        return ops.softmax_stats(x)
     row_max = x.amax(dim=-1)
     return row_max, (x - row_max[:, None]).exp().sum(dim=-1).log()
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, use_cpu_kernels: bool = False) -> SampleOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops: KernelOps | None = None) -> SampleOutput:
     """logits: raw float32 [rows, vocab]. Processes them (module docstring order), then greedy rows take the
-    argmax and sampled rows a seeded Gumbel-max draw. Logprobs are of the raw distribution. use_cpu_kernels
-    (the model runs on them): the row reductions (argmax, softmax statistics) run as CPU kernels."""
+    argmax and sampled rows a seeded Gumbel-max draw. Logprobs are of the raw distribution. `ops`: the model's
+    kernels, whose row reductions (argmax, softmax statistics) run where they provide them."""
     processed = process_logits(logits, batch)
-    tokens = first_argmax(processed, use_cpu_kernels)
+    tokens = first_argmax(processed, ops)
     if bool(batch.do_sample.any()):
         filtered = warp_logits(processed, batch)
         noise = uniform_noise(batch.seed_lo, batch.seed_hi, batch.positions, logits.shape[-1])
         gumbel = -torch.log(-torch.log(noise))
-        sampled = first_argmax(filtered + gumbel, use_cpu_kernels)
+        sampled = first_argmax(filtered + gumbel, ops)
         tokens = torch.where(batch.do_sample, sampled, tokens)
-    row_max, log_sum = softmax_stats(logits, use_cpu_kernels)
+    row_max, log_sum = softmax_stats(logits, ops)
     top_logits, top_token_ids = logits.topk(max(batch.top_n_logprobs, default=0), dim=-1)
     return SampleOutput(
         token_ids=tokens,

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -32,6 +34,28 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+class CheckpointLayout(Protocol):
+    """What a model class declares about its checkpoint's names, read by `load_weights` (every model has all
+    three; rill.shard.models.llama.LlamaForCausalLM gives the Llama defaults).
+
+    - `packed_modules_mapping`: a Hugging Face module name -> (our fused parameter's module, the part of it),
+      e.g. "q_proj" -> ("qkv_proj", "q"): the tensor goes to that part through the parameter's
+      `weight_loader`.
+    - `fused_checkpoint_parts`: our module -> its parts in row order, (part, rows) each, for a checkpoint that
+      stores a fused tensor (Phi-3's qkv_proj): the tensor is split and each part loaded.
+    - `resolve_checkpoint_name(name)`: (our parameter name, part) for a checkpoint name the model maps itself
+      (MoE experts), tried first; None: the mappings above decide.
+    """
+
+    packed_modules_mapping: dict[str, tuple[str, object]]
+    fused_checkpoint_parts: dict[str, list[tuple[object, int]]]
+
+    def resolve_checkpoint_name(self, name: str) -> tuple[str, object] | None: ...
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]: ...  # fmt: skip
 
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,14 +80,12 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, model_path: Path) -> None:
+def load_weights(model: CheckpointLayout, model_path: Path) -> None:
     """Copies every tensor of the checkpoint's files into `model`; fails if a parameter stays unloaded."""
     files = checkpoint_files(model_path)
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
-    fused: dict[str, list[tuple[object, int]]] = getattr(model, "fused_checkpoint_parts", {})
-    # A model's own name mapping (MoE experts), tried before `packed_modules_mapping`.
-    resolve = getattr(model, "resolve_checkpoint_name", lambda name: None)
+    packed, fused = model.packed_modules_mapping, model.fused_checkpoint_parts
+    resolve = model.resolve_checkpoint_name
     names_per_file: list[tuple[Path, list[str]]] = []
     for file in files:
         with safe_open(file, framework="pt") as f:

@@ -1,13 +1,19 @@
 // Thin torch binding of the launchers in ops.h: checks dtypes, devices, shapes and layouts, then launches on
-// the current CUDA stream. Output tensors are allocated by the caller (rill/kernels/__init__.py), so the calls are
+// the current CUDA stream. Output tensors are allocated by the caller (rill/kernels/cuda.py), so the calls are
 // CUDA-graph safe.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
 #include "ops.h"
+#include "torch_checks.h"
 
 namespace {
+
+using rill_binding::check_index_vector;
+using rill_binding::check_like;
+using rill_binding::check_same_dtype;
+using rill_binding::rows_stride;
 
 rill::DType to_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -28,17 +34,10 @@ void check_ok(cudaError_t err, const char* what) {
 
 bool is_aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// [tokens, heads, head_dim] with the last two dims contiguous; returns the token stride in elements.
-int64_t rows_stride(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 3, name, " must be [num_tokens, num_heads, head_dim]");
-  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), name, " must have contiguous heads and head dims");
-  return t.stride(0);
-}
-
 void check_pool(const at::Tensor& pool, const at::Tensor& like, const char* name) {
   check_cuda(pool, name);
   TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), name, " must be a contiguous [blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(pool.scalar_type() == like.scalar_type(), name, " dtype must match the queries'");
+  check_same_dtype(pool, like, name);
   TORCH_CHECK(is_aligned16(pool), name, " must be 16-byte aligned");
 }
 
@@ -51,8 +50,7 @@ rill::PagedAttentionParams attention_params(const at::Tensor& out, const at::Ten
   check_pool(v_pool, q, "v_pool");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
   const int64_t q_token_stride = rows_stride(q, "q");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
-              "out must be contiguous, with q's shape and dtype");
+  check_like(out, q, "out", "q");
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(k_pool.size(3) == head_dim, "pool head_dim ", k_pool.size(3), " != q head_dim ", head_dim);
   TORCH_CHECK(q.size(1) % k_pool.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
@@ -64,9 +62,7 @@ rill::PagedAttentionParams attention_params(const at::Tensor& out, const at::Ten
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1,
               "block_tables must be int64 [num_seqs, max_blocks] with contiguous rows");
   check_cuda(context_lens, "context_lens");
-  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
-                  context_lens.numel() == block_tables.size(0),
-              "context_lens must be int32 [num_seqs]");
+  check_index_vector(context_lens, block_tables.size(0), at::kInt, "context_lens");
   rill::PagedAttentionParams p{};
   p.dtype = to_dtype(q);
   p.out = out.data_ptr();
@@ -116,12 +112,9 @@ void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at
   const c10::cuda::CUDAGuard guard(q.device());
   auto p = attention_params(out, q, k_pool, v_pool, block_tables, context_lens, scale);
   check_cuda(cu_seqlens_q, "cu_seqlens_q");
-  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
-                  cu_seqlens_q.numel() == p.num_seqs + 1,
-              "cu_seqlens_q must be int32 [num_seqs + 1]");
+  check_index_vector(cu_seqlens_q, p.num_seqs + 1, at::kInt, "cu_seqlens_q");
   check_cuda(positions, "positions");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
-              "positions must be int64 [num_tokens]");
+  check_index_vector(positions, q.size(0), at::kLong, "positions");
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
   p.positions = positions.data_ptr<int64_t>();
   check_ok(rill::paged_prefill_attention(p, static_cast<int>(max_query_len), at::cuda::getCurrentCUDAStream()),
@@ -139,9 +132,7 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, 
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.sizes() == k.sizes(), "k and v must match");
   TORCH_CHECK(k.size(1) == k_pool.size(2) && k.size(2) == k_pool.size(3), "k rows do not match the pool");
   check_cuda(slot_mapping, "slot_mapping");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == k.size(0),
-              "slot_mapping must be int64 [num_tokens]");
+  check_index_vector(slot_mapping, k.size(0), at::kLong, "slot_mapping");
   check_ok(rill::store_kv(to_dtype(k), k.data_ptr(), k_stride, v.data_ptr(), v_stride, k_pool.data_ptr(),
                           v_pool.data_ptr(), slot_mapping.data_ptr<int64_t>(), static_cast<int>(k.size(0)),
                           static_cast<int>(k.size(1)), static_cast<int>(k.size(2)),
@@ -154,19 +145,15 @@ void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, c
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [num_rows, hidden]");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
-              "out must be contiguous with x's shape and dtype");
+  check_like(out, x, "out", "x");
   TORCH_CHECK(weight.is_cuda() && weight.is_contiguous() && weight.numel() == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
               "weight must be [hidden] with x's dtype");
   const void* residual_ptr = nullptr;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
-                    residual->scalar_type() == x.scalar_type() && residual->is_cuda(),
-                "residual must be contiguous with x's shape and dtype");
-    TORCH_CHECK(residual_out.is_contiguous() && residual_out.sizes() == x.sizes() &&
-                    residual_out.scalar_type() == x.scalar_type(),
-                "residual_out must be contiguous with x's shape and dtype");
+    check_cuda(*residual, "residual");
+    check_like(*residual, x, "residual", "x");
+    check_like(residual_out, x, "residual_out", "x");
     residual_ptr = residual->data_ptr();
   }
   check_ok(rill::fused_add_rms_norm(to_dtype(x), out.data_ptr(), residual_ptr ? residual_out.data_ptr() : nullptr,
@@ -176,23 +163,22 @@ void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, c
            "fused_add_rms_norm");
 }
 
-void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor inv_freq) {
+void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   const c10::cuda::CUDAGuard guard(q.device());
   check_cuda(q, "q");
   check_cuda(k, "k");
   const int64_t q_stride = rows_stride(q, "q");
   const int64_t k_stride = rows_stride(k, "k");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
-              "q and k must share dtype, token count and head_dim");
-  check_cuda(positions, "positions");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
-              "positions must be int64 [num_tokens]");
-  check_cuda(inv_freq, "inv_freq");
-  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.is_contiguous() && inv_freq.numel() * 2 == q.size(2),
-              "inv_freq must be float32 [head_dim / 2]");
-  check_ok(rill::rotary_embedding(to_dtype(q), q.data_ptr(), q_stride, k.data_ptr(), k_stride,
-                                  positions.data_ptr<int64_t>(), inv_freq.data_ptr<float>(),
-                                  static_cast<int>(q.size(0)), static_cast<int>(q.size(1)),
+  check_same_dtype(k, q, "k");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2), "q and k must have the same tokens and head_dim");
+  for (const auto* t : {&cos, &sin}) {
+    check_cuda(*t, "cos/sin");
+    check_same_dtype(*t, q, "cos/sin");
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) * 2 == q.size(2),
+                "cos and sin must be contiguous [num_tokens, head_dim / 2]");
+  }
+  check_ok(rill::rotary_embedding(to_dtype(q), q.data_ptr(), q_stride, k.data_ptr(), k_stride, cos.data_ptr(),
+                                  sin.data_ptr(), static_cast<int>(q.size(0)), static_cast<int>(q.size(1)),
                                   static_cast<int>(k.size(1)), static_cast<int>(q.size(2)),
                                   at::cuda::getCurrentCUDAStream()),
            "rotary_embedding");

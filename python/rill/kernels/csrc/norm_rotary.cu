@@ -58,24 +58,27 @@ __global__ void __launch_bounds__(kNormThreads)
 // One CTA per token; a thread rotates the pair (i, i + head_dim / 2) of one head of q or k.
 template <typename T>
 __global__ void rotary_kernel(T* __restrict__ q, const int64_t q_token_stride, T* __restrict__ k,
-                              const int64_t k_token_stride, const int64_t* __restrict__ positions,
-                              const float* __restrict__ inv_freq, const int num_heads, const int num_kv_heads,
-                              const int head_dim) {
+                              const int64_t k_token_stride, const T* __restrict__ cos, const T* __restrict__ sin,
+                              const int num_heads, const int num_kv_heads, const int head_dim) {
   const int64_t token = blockIdx.x;
-  const float position = (float)positions[token];
   const int half = head_dim / 2;
   const int num_pairs = (num_heads + num_kv_heads) * half;
+  const T* cos_row = cos + token * half;
+  const T* sin_row = sin + token * half;
   for (int idx = threadIdx.x; idx < num_pairs; idx += blockDim.x) {
     const int head = idx / half;
     const int i = idx % half;
     T* row = head < num_heads ? q + token * q_token_stride + (int64_t)head * head_dim
                               : k + token * k_token_stride + (int64_t)(head - num_heads) * head_dim;
-    float sin_value, cos_value;
-    sincosf(position * inv_freq[i], &sin_value, &cos_value);
-    const float x1 = to_float(row[i]);
-    const float x2 = to_float(row[i + half]);
-    row[i] = from_float<T>(x1 * cos_value - x2 * sin_value);
-    row[i + half] = from_float<T>(x2 * cos_value + x1 * sin_value);
+    // The reference (rotary.py, _rotate) computes x * cos + rotate_half(x) * sin in the storage dtype: each
+    // product rounds, then their sum.
+    const T x1 = row[i], x2 = row[i + half], c = cos_row[i], s = sin_row[i];
+    const float x1c = to_float(from_float<T>(to_float(x1) * to_float(c)));
+    const float x2s = to_float(from_float<T>(to_float(x2) * to_float(s)));
+    const float x2c = to_float(from_float<T>(to_float(x2) * to_float(c)));
+    const float x1s = to_float(from_float<T>(to_float(x1) * to_float(s)));
+    row[i] = from_float<T>(x1c - x2s);
+    row[i + half] = from_float<T>(x2c + x1s);
   }
 }
 
@@ -89,14 +92,15 @@ cudaError_t launch_norm(void* out, void* residual_out, const void* x, const void
 }
 
 template <typename T>
-cudaError_t launch_rotary(void* q, int64_t q_token_stride, void* k, int64_t k_token_stride,
-                          const int64_t* positions, const float* inv_freq, int num_tokens, int num_heads,
-                          int num_kv_heads, int head_dim, cudaStream_t stream) {
+cudaError_t launch_rotary(void* q, int64_t q_token_stride, void* k, int64_t k_token_stride, const void* cos,
+                          const void* sin, int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                          cudaStream_t stream) {
   const int num_pairs = (num_heads + num_kv_heads) * (head_dim / 2);
   const int threads = std::min(512, ceil_div(num_pairs, 32) * 32);
   rotary_kernel<T><<<num_tokens, threads, 0, stream>>>(static_cast<T*>(q), q_token_stride, static_cast<T*>(k),
-                                                       k_token_stride, positions, inv_freq, num_heads,
-                                                       num_kv_heads, head_dim);
+                                                       k_token_stride, static_cast<const T*>(cos),
+                                                       static_cast<const T*>(sin), num_heads, num_kv_heads,
+                                                       head_dim);
   return cudaGetLastError();
 }
 
@@ -117,20 +121,20 @@ cudaError_t fused_add_rms_norm(DType dtype, void* out, void* residual_out, const
 }
 
 cudaError_t rotary_embedding(DType dtype, void* q, int64_t q_token_stride, void* k, int64_t k_token_stride,
-                             const int64_t* positions, const float* inv_freq, int num_tokens, int num_heads,
-                             int num_kv_heads, int head_dim, cudaStream_t stream) {
+                             const void* cos, const void* sin, int num_tokens, int num_heads, int num_kv_heads,
+                             int head_dim, cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
   if (head_dim % 2 != 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
-      return launch_rotary<float>(q, q_token_stride, k, k_token_stride, positions, inv_freq, num_tokens,
-                                  num_heads, num_kv_heads, head_dim, stream);
+      return launch_rotary<float>(q, q_token_stride, k, k_token_stride, cos, sin, num_tokens, num_heads,
+                                  num_kv_heads, head_dim, stream);
     case DType::kFloat16:
-      return launch_rotary<__half>(q, q_token_stride, k, k_token_stride, positions, inv_freq, num_tokens,
-                                   num_heads, num_kv_heads, head_dim, stream);
+      return launch_rotary<__half>(q, q_token_stride, k, k_token_stride, cos, sin, num_tokens, num_heads,
+                                   num_kv_heads, head_dim, stream);
     case DType::kBFloat16:
-      return launch_rotary<__nv_bfloat16>(q, q_token_stride, k, k_token_stride, positions, inv_freq,
-                                          num_tokens, num_heads, num_kv_heads, head_dim, stream);
+      return launch_rotary<__nv_bfloat16>(q, q_token_stride, k, k_token_stride, cos, sin, num_tokens, num_heads,
+                                          num_kv_heads, head_dim, stream);
   }
   return cudaErrorInvalidValue;
 }

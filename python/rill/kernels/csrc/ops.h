@@ -66,10 +66,11 @@ cudaError_t fused_add_rms_norm(DType dtype, void* out, void* residual_out, const
                                const void* weight, int num_rows, int hidden, float eps, cudaStream_t stream);
 
 // In-place rotate-half rotary embedding of q [num_tokens, num_heads, head_dim] and k
-// [num_tokens, num_kv_heads, head_dim] (token strides in elements) at `positions`, with float32 inv_freq
-// [head_dim / 2]: angle = float(position) * inv_freq[i].
+// [num_tokens, num_kv_heads, head_dim] (token strides in elements) by cos, sin [num_tokens, head_dim / 2] in the
+// same dtype (the shard's table, any attention factor included): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin,
+// each product rounded to the dtype as the torch reference rounds it.
 cudaError_t rotary_embedding(DType dtype, void* q, int64_t q_token_stride, void* k, int64_t k_token_stride,
-                             const int64_t* positions, const float* inv_freq, int num_tokens, int num_heads,
-                             int num_kv_heads, int head_dim, cudaStream_t stream);
+                             const void* cos, const void* sin, int num_tokens, int num_heads, int num_kv_heads,
+                             int head_dim, cudaStream_t stream);
 
 }  // namespace rill

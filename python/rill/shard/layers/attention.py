@@ -12,65 +12,34 @@ so a query gets the same result in a 1000-token prefill, a 50-token chunk or a d
 has a fixed key count (a tile is zero-padded past the context) and a row count padded to a multiple of
 ROW_MULTIPLE. Plain softmax over the whole row and F.scaled_dot_product_attention are not (measured).
 
-Backends (backend.py, chosen once per model): `Backend.CPU` runs `rill.kernels.cpu.paged_attention`, one
-call per layer for the whole batch, batch-invariant in the same sense (each query walks its keys in fixed
-tiles from position 0; docs/kernels.md); `Backend.CUDA` the CUDA kernels, which are not batch-invariant
-across batch shapes (their decode split count depends on the batch), as the GPU's bf16 GEMMs are not
-either; `Backend.TORCH` the reference below. The CUDA kernels read `ForwardContext.kernels`, which the
-runner builds for every forward of a model on them.
+Kernels (backend.py): with ops, the layer stores its K/V and attends in two calls of them
+(`KernelOps.store_kv`, `KernelOps.paged_attention`) for the whole batch; the CPU kernels are batch-invariant
+in the same sense (docs/kernels.md), the CUDA ones are not across batch shapes (their decode split count
+depends on the batch), as the GPU's bf16 GEMMs are not either.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from rill import kernels
-from rill.kernels import cpu as cpu_kernels
+from rill.kernels.ops import AttentionMetadata, KernelOps
 from rill.shard.kv_cache import KVCache
-from rill.shard.layers.backend import Backend, KernelLayer
+from rill.shard.layers.backend import KernelLayer
 from rill.shard.layers.linear import ROW_MULTIPLE
 
 KEY_TILE_SIZE = 256
 
 
 @dataclass(frozen=True)
-class KernelMetadata:
-    """Device-side metadata the CUDA kernels read, built once per forward by the runner (for a CUDA graph, as
-    views of its static buffers). `max_context_len` is an upper bound on context_lens (it sets the decode
-    split count); `is_decode`: every sequence has exactly one query token."""
-
-    context_lens: torch.Tensor  # int32 [num_seqs]
-    cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
-    max_query_len: int
-    max_context_len: int
-    is_decode: bool
-
-
-@dataclass(frozen=True)
 class ForwardContext:
-    """Attention metadata for one forward pass over the flattened tokens of several sequences.
-
-    Sequence i owns query rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) and attends to its positions
-    [0, context_lens[i]), read through block_tables[i] (row padded with 0 past its blocks).
-    """
+    """What the attention layers of one forward pass read: the KV pool and the batch's `AttentionMetadata`."""
 
     kv_cache: KVCache
-    cu_seqlens_q: list[int]
-    context_lens: list[int]
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq], int64
-    slot_mapping: torch.Tensor  # [num_tokens], int64: where each new token's K/V goes
-    positions: torch.Tensor  # [num_tokens], int64
-    kernels: KernelMetadata | None = None  # set for a model on the CUDA kernels
-
-    @functools.cached_property
-    def cu_seqlens_q_tensor(self) -> torch.Tensor:
-        """`cu_seqlens_q` as an int64 tensor on the positions' device, built once per forward."""
-        return torch.tensor(self.cu_seqlens_q, dtype=torch.int64, device=self.positions.device)
+    meta: AttentionMetadata
 
 
 _current_context: ForwardContext | None = None
@@ -196,25 +165,27 @@ class PagedAttention(KernelLayer):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads, head_dim]."""
         ctx = get_forward_context()
-        cache = ctx.kv_cache
-        if self.backend is Backend.CPU:
-            return self._forward_cpu(q, k, v, ctx)
-        if self.backend is Backend.CUDA:
-            return self._forward_cuda(q, k, v, ctx)
-        cache.store_kv(self.layer_id, k, v, ctx.slot_mapping)
+        cache, meta = ctx.kv_cache, ctx.meta
         k_pool, v_pool = cache.k[self.layer_id], cache.v[self.layer_id]
+        if self.ops is not None:
+            self.ops.store_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+            return self.ops.paged_attention(
+                q, k_pool, v_pool, meta, self.scale, self.sliding_window, self.softcap
+            )
+        cache.store_kv(self.layer_id, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        for i, context_len in enumerate(ctx.context_lens):
-            start, end = ctx.cu_seqlens_q[i], ctx.cu_seqlens_q[i + 1]
+        cu_seqlens_q = meta.cu_seqlens_q.tolist()
+        for i, context_len in enumerate(meta.context_lens.tolist()):
+            start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
             num_seq_blocks = -(-context_len // cache.block_size)
-            blocks = ctx.block_tables[i, :num_seq_blocks]
+            blocks = meta.block_tables[i, :num_seq_blocks]
             seq_k = k_pool[blocks].flatten(0, 1)[:context_len]
             seq_v = v_pool[blocks].flatten(0, 1)[:context_len]
             out[start:end] = tiled_causal_attention(
                 q[start:end],
                 seq_k,
                 seq_v,
-                ctx.positions[start:end],
+                meta.positions[start:end],
                 self.scale,
                 KEY_TILE_SIZE,
                 self.sliding_window,
@@ -222,55 +193,7 @@ class PagedAttention(KernelLayer):
             )
         return out
 
-    def backend_unsupported(self, backend: Backend) -> str | None:
-        if backend is Backend.CPU and self.head_dim % 16 != 0:
-            return f"the CPU attention kernel needs a head_dim that is a multiple of 16, not {self.head_dim}"
-        if backend is Backend.CUDA and (self.sliding_window or self.softcap):
-            return "the CUDA attention kernels have no sliding window or soft-capping"
-        if backend is Backend.CUDA and not kernels.supports(self.head_dim, self.num_heads, self.num_kv_heads):
-            return (
-                f"the CUDA kernels support head_dim {kernels.SUPPORTED_HEAD_DIMS} and at most "
-                f"{kernels.MAX_GROUP_SIZE} query heads per KV head, not head_dim {self.head_dim} with "
-                f"{self.num_heads} heads / {self.num_kv_heads} KV heads"
-            )
-        return None
-
-    def _forward_cpu(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        k_pool, v_pool = ctx.kv_cache.k[self.layer_id], ctx.kv_cache.v[self.layer_id]
-        cpu_kernels.store_kv(k, v, k_pool, v_pool, ctx.slot_mapping)
-        return cpu_kernels.paged_attention(
-            q,
-            k_pool,
-            v_pool,
-            ctx.block_tables,
-            ctx.cu_seqlens_q_tensor,
-            ctx.positions,
-            self.scale,
-            self.sliding_window,
-            self.softcap,
-        )
-
-    def _forward_cuda(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        meta = ctx.kernels
-        assert meta is not None, "the runner builds kernel metadata for the CUDA kernels"
-        k_pool, v_pool = ctx.kv_cache.k[self.layer_id], ctx.kv_cache.v[self.layer_id]
-        kernels.store_kv(k, v, k_pool, v_pool, ctx.slot_mapping)
-        if meta.is_decode:
-            return kernels.paged_decode_attention(
-                q, k_pool, v_pool, ctx.block_tables, meta.context_lens, self.scale, meta.max_context_len
-            )
-        return kernels.paged_prefill_attention(
-            q,
-            k_pool,
-            v_pool,
-            ctx.block_tables,
-            meta.context_lens,
-            meta.cu_seqlens_q,
-            ctx.positions,
-            self.scale,
-            meta.max_query_len,
+    def unsupported(self, ops: KernelOps) -> str | None:
+        return ops.attention_unsupported(
+            self.head_dim, self.num_heads, self.num_kv_heads, self.sliding_window, self.softcap
         )

@@ -1,49 +1,48 @@
-"""Which implementation the layers with a native kernel run, chosen once when the model is built.
+"""Which kernels the layers run, chosen once when the model is built.
 
-`Backend.TORCH` runs the plain-torch references (the oracle every kernel is tested against); `Backend.CPU` the
-C++ kernels of `rill.kernels.cpu`; `Backend.CUDA` the CUDA kernels of `rill.kernels`. The runner picks one for
-the model (`--attention-backend`), then `use_backend` hands it to every `KernelLayer`; a layer never asks at
-call time which to use. A layer whose configuration a backend cannot run (for example a sliding window with
-the CUDA kernels) says so in `backend_unsupported`, and the runner then keeps the whole model on the torch
-references (or refuses, when that backend was asked for by name).
+A `KernelLayer` has a torch reference (the oracle every kernel is tested against) and holds `ops`, a
+`rill.kernels.ops.KernelOps` or None: None runs the reference, ops run that device's kernels. The runner picks
+the ops for the model (`--attention-backend`); `install_ops` hands them to every kernel layer, which keeps
+them only where they provide its op (`accepts`). A layer whose configuration the ops cannot run at all (for
+example a sliding window with the CUDA kernels) says so in `unsupported`, and the runner then keeps the whole
+model on the torch references (or refuses, when those kernels were asked for by name). A layer branches two
+ways: its ops, or its reference.
 """
 
 from __future__ import annotations
 
-import enum
-
 from torch import nn
 
-
-class Backend(enum.Enum):
-    TORCH = "torch"
-    CPU = "cpu"
-    CUDA = "cuda"
+from rill.kernels.ops import KernelOps
 
 
 class KernelLayer(nn.Module):
-    """A layer with a native kernel besides its torch reference. `backend` is TORCH until `use_backend`."""
+    """A layer with a native kernel besides its torch reference. `ops` is None until `install_ops`."""
 
-    backend: Backend = Backend.TORCH
+    ops: KernelOps | None = None
 
-    def set_backend(self, backend: Backend) -> None:
-        """Runs `backend` from now on; a layer may lay out its loaded weights for it here (once)."""
-        self.backend = backend
+    def accepts(self, ops: KernelOps) -> bool:
+        """Whether `ops` provide what this layer would call (a layer with an optional op overrides this)."""
+        return True
 
-    def backend_unsupported(self, backend: Backend) -> str | None:
-        """Why this layer cannot run `backend` (None: it can)."""
+    def use_ops(self, ops: KernelOps | None) -> None:
+        """Runs on `ops` from now on (None: the reference); a layer may lay out its loaded weights for them
+        here, once."""
+        self.ops = ops if ops is not None and self.accepts(ops) else None
+
+    def unsupported(self, ops: KernelOps) -> str | None:
+        """Why this layer cannot run on `ops` at all (None: it can)."""
         return None
 
 
-def unsupported_reasons(model: nn.Module, backend: Backend) -> list[str]:
-    """Why some kernel layer of `model` cannot run `backend`, one line per distinct reason (empty: it can)."""
-    reasons = {m.backend_unsupported(backend) for m in model.modules() if isinstance(m, KernelLayer)}
+def unsupported_reasons(model: nn.Module, ops: KernelOps) -> list[str]:
+    """Why some kernel layer of `model` cannot run `ops`, one line per distinct reason (empty: it can)."""
+    reasons = {m.unsupported(ops) for m in model.modules() if isinstance(m, KernelLayer)}
     return sorted(reason for reason in reasons if reason)
 
 
-def use_backend(model: nn.Module, backend: Backend) -> None:
-    """Sets the backend of every kernel layer of `model`, once its weights are loaded: children before their
-    parents, so a parent can build on what its children prepared (a decoder stack on their packed weights)."""
-    for module in reversed(list(model.modules())):
+def install_ops(model: nn.Module, ops: KernelOps | None) -> None:
+    """Sets the ops of every kernel layer of `model`, once its weights are loaded."""
+    for module in model.modules():
         if isinstance(module, KernelLayer):
-            module.set_backend(backend)
+            module.use_ops(ops)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from rill.kernels.ops import KernelOps
 from rill.shard import distributed
-from rill.shard.layers.backend import Backend, KernelLayer
+from rill.shard.layers.backend import KernelLayer
 from rill.shard.layers.linear import PackedWeight, copy_into, invariant_matmul, loaded_shape, read_part
 
 
@@ -52,27 +53,32 @@ class Embedding(VocabParallel):
 
 
 class LMHead(VocabParallel, KernelLayer):
-    """Logits for the given hidden rows, in float32. Tied (`tie_to`), `weight` is the embedding's; on the CPU
-    kernels the head multiplies by a packed copy (`PackedWeight`) and an untied head keeps only that."""
+    """Logits for the given hidden rows, in float32. Tied (`tie_to`), `weight` is the embedding's; on kernel
+    ops with `linear` the head multiplies by a packed copy (`PackedWeight`) and an untied head keeps only
+    that."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.is_tied = False
-        self.packed: PackedWeight | None = None  # set with the backend, after loading
+        self.packed: PackedWeight | None = None  # set with kernel ops, after loading
 
     def tie_to(self, embedding: Embedding) -> None:
         self.weight = embedding.weight
         self.is_tied = True
 
-    def set_backend(self, backend: Backend) -> None:
-        super().set_backend(backend)
-        self.packed = PackedWeight(self.weight, backend)
-        if self.packed.is_packed and not self.is_tied:
-            self.weight = None  # the packed copy replaces it
+    def accepts(self, ops: KernelOps) -> bool:
+        return ops.provides("linear")
+
+    def use_ops(self, ops: KernelOps | None) -> None:
+        super().use_ops(ops)
+        if self.ops is not None and self.packed is None:
+            self.packed = PackedWeight(self.weight, self.ops)
+            if self.packed.tensor is not self.weight and not self.is_tied:
+                self.weight = None  # the packed copy replaces it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            logits = invariant_matmul(hidden, self.weight, self.backend)
+            logits = invariant_matmul(hidden, self.weight)
         else:
             logits = self.packed.matmul(hidden)
         return distributed.all_gather_cat(logits.float(), dim=-1)[:, : self.vocab_size]

@@ -1,15 +1,15 @@
 """Linear layers, tensor-parallel, whose per-row results do not depend on how many rows are in the batch.
 
 Invariant: every matmul of activations by a weight goes through `invariant_matmul`, whose row r depends only
-on row r of its input. On the CPU kernels (float32, and bfloat16 where the CPU has AVX512-BF16) that is
-`rill.kernels.cpu.linear`, whose arithmetic per output is fixed whatever the row count or thread count; it
-reads the weight packed once when the backend is set (`PackedWeight`), and the layer then keeps only the
-packed copy. The torch reference pads the row count up to a multiple of ROW_MULTIPLE (at least ROW_MULTIPLE):
-CPU GEMM (MKL/oneDNN) picks different kernels for small row counts (measured: with 1 thread, 1..15 rows differ
-bitwise from the same rows inside a 600-row product); with 2 threads it also splits some shapes differently at
-larger row counts (a [1536 -> 576] product differed at 64 and 100 rows), which padding cannot fix and the CPU
-kernel does. In bfloat16 on a CPU without AVX512-BF16, where Rill promises no batch invariance, the CPU
-backend calls torch's matmul as it is (oneDNN).
+on row r of its input. With kernel ops that provide `linear` (the CPU's: float32, and bfloat16 where the CPU
+has AVX512-BF16) that is `KernelOps.linear`, whose arithmetic per output is fixed whatever the row count or
+thread count; it reads the weight packed once when the ops are installed (`PackedWeight`), and the layer then
+keeps only the packed copy. The torch reference pads the row count up to a multiple of ROW_MULTIPLE (at least
+ROW_MULTIPLE): CPU GEMM (MKL/oneDNN) picks different kernels for small row counts (measured: with 1 thread,
+1..15 rows differ bitwise from the same rows inside a 600-row product); with 2 threads it also splits some
+shapes differently at larger row counts (a [1536 -> 576] product differed at 64 and 100 rows), which padding
+cannot fix and the CPU kernel does. In bfloat16 on a CPU without AVX512-BF16, where Rill promises no batch
+invariance, the CPU kernels' `linear` calls torch's matmul as it is (oneDNN).
 
 Tensor parallelism (Megatron-style, as in vLLM and nano-vllm): a column-parallel layer holds this rank's
 slice of the output features and returns its slice of the output (no communication); a row-parallel layer
@@ -30,37 +30,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from rill.kernels import cpu as cpu_kernels
+from rill.kernels.ops import KernelOps
 from rill.shard import distributed
-from rill.shard.layers.backend import Backend, KernelLayer
+from rill.shard.layers.backend import KernelLayer
 
 ROW_MULTIPLE = 16
 
 
 class PackedWeight:
-    """A layer's weight [out, in] as its backend multiplies it: on the CPU kernels, in a dtype they multiply
-    (`rill.kernels.cpu.linear_dtypes`), packed once (`rill.kernels.cpu.pack_linear`); otherwise the weight as
-    loaded."""
+    """A layer's weight [out, in] as kernel ops multiply it: packed once by `ops.pack_linear`."""
 
-    def __init__(self, weight: torch.Tensor, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self, weight: torch.Tensor, ops: KernelOps) -> None:
+        self.ops = ops
         self.out_features, self.in_features = weight.shape
-        self.is_packed = backend is Backend.CPU and weight.dtype in cpu_kernels.linear_dtypes()
-        self.tensor = cpu_kernels.pack_linear(weight) if self.is_packed else weight
+        self.tensor = ops.pack_linear(weight)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ weight.T`, row r depending only on row r of x (float32; bfloat16 when packed)."""
-        if self.is_packed:
-            return cpu_kernels.linear(x, self.tensor, self.out_features)
-        return invariant_matmul(x, self.tensor, self.backend)
+        """`x @ weight.T`, row r depending only on row r of x (where the ops promise it)."""
+        return self.ops.linear(x, self.tensor, self.out_features)
 
 
-def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, backend: Backend = Backend.TORCH) -> torch.Tensor:
+def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` for x of shape [rows, in] with torch's matmul; in float32 row r of the result depends
-    only on row r of x (rows padded to a multiple of ROW_MULTIPLE). The CPU backend multiplies as it is
-    (bfloat16 without AVX512-BF16, oneDNN; no invariance promised)."""
-    if backend is Backend.CPU:
-        return x @ weight.T
+    only on row r of x (rows padded to a multiple of ROW_MULTIPLE)."""
     num_rows = x.shape[0]
     padded_rows = max(ROW_MULTIPLE, -(-num_rows // ROW_MULTIPLE) * ROW_MULTIPLE)
     if padded_rows != num_rows:
@@ -111,21 +103,25 @@ class Linear(KernelLayer):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        self.packed: PackedWeight | None = None  # set with the backend, after loading
+        self.packed: PackedWeight | None = None  # set with kernel ops, after loading
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
         assert shard_id is None, f"unexpected shard id {shard_id!r} for an unfused parameter"
         copy_into(param.data, read_part(loaded))
 
-    def set_backend(self, backend: Backend) -> None:
-        super().set_backend(backend)
-        self.packed = PackedWeight(self.weight, backend)
-        if self.packed.is_packed:
-            self.weight = None  # the packed copy replaces it
+    def accepts(self, ops: KernelOps) -> bool:
+        return ops.provides("linear")
+
+    def use_ops(self, ops: KernelOps | None) -> None:
+        super().use_ops(ops)
+        if self.ops is not None and self.packed is None:
+            self.packed = PackedWeight(self.weight, self.ops)
+            if self.packed.tensor is not self.weight:
+                self.weight = None  # the packed copy replaces it
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return invariant_matmul(x, self.weight, self.backend)
+            return invariant_matmul(x, self.weight)
         return self.packed.matmul(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

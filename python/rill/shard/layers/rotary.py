@@ -16,9 +16,7 @@ import math
 
 import torch
 
-from rill import kernels
-from rill.kernels import cpu as cpu_kernels
-from rill.shard.layers.backend import Backend, KernelLayer
+from rill.shard.layers.backend import KernelLayer
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -148,22 +146,35 @@ class CosSinTable:
         self.sin = torch.empty_like(self.cos)
         # The last lookup (positions copied, dtype, result): every layer of a forward asks the same.
         self._last: tuple[torch.Tensor, torch.dtype, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.is_reserved = False
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [len(positions), head_dim / 2] in `dtype`."""
+        if (
+            self.is_reserved
+        ):  # no host sync: a plain gather (the caller keeps positions below the reservation)
+            return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
         last = self._last
         if last is not None and last[1] == dtype and torch.equal(last[0], positions):
             return last[2]
-        num_needed = int(positions.max()) + 1 if positions.numel() else 0
+        self._grow(int(positions.max()) + 1 if positions.numel() else 0)
+        cos_sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        self._last = (positions.clone(), dtype, cos_sin)
+        return cos_sin
+
+    def reserve(self, num_positions: int) -> None:
+        """Grows the table to `num_positions` now and never again, so lookups need no host sync (CUDA graphs
+        capture them; a graph keeps reading the tensor it captured)."""
+        self._grow(num_positions)
+        self.is_reserved = True
+
+    def _grow(self, num_needed: int) -> None:
         while self.cos.shape[0] < num_needed:
             start = self.cos.shape[0]
             piece = torch.arange(start, start + TABLE_CHUNK, device=self.inv_freq.device).float()
             freqs = piece[:, None] * self.inv_freq[None, :]
             self.cos = torch.cat([self.cos, freqs.cos() * self.attention_factor])
             self.sin = torch.cat([self.sin, freqs.sin() * self.attention_factor])
-        cos_sin = self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-        self._last = (positions.clone(), dtype, cos_sin)
-        return cos_sin
 
 
 # One table per distinct (frequencies, attention factor, device), shared by every layer that uses them.
@@ -183,26 +194,24 @@ class RotaryEmbedding(KernelLayer):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [tokens, head_dim / 2] in `dtype`, attention factor included."""
+        return self.table().lookup(positions, dtype)
+
+    def table(self) -> CosSinTable:
+        """The table shared with every layer of the same frequencies (made on first use)."""
         if self._table is None:
             key = (self.inv_freq.cpu().numpy().tobytes(), self.attention_factor, str(self.inv_freq.device))
             self._table = _TABLES.setdefault(key, CosSinTable(self.inv_freq, self.attention_factor))
-        return self._table.lookup(positions, dtype)
+        return self._table
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]. With a native
-        backend, q and k are rotated in place and returned."""
-        if self.backend is Backend.CPU:
-            cpu_kernels.rotary_embedding(q, k, *self.cos_sin(positions, q.dtype))
-            return q, k
-        if self.backend is Backend.CUDA:
-            kernels.rotary_embedding(q, k, positions, self.inv_freq)
-            if self.attention_factor != 1.0:  # the rotation is linear: scaling cos/sin scales its output
-                q.mul_(self.attention_factor)
-                k.mul_(self.attention_factor)
-            return q, k
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim], positions: [tokens]. With kernel
+        ops, q and k are rotated in place and returned."""
         cos, sin = self.cos_sin(positions, q.dtype)
+        if self.ops is not None:
+            self.ops.rotary_embedding(q, k, cos, sin)
+            return q, k
         cos = torch.cat([cos, cos], dim=-1)[:, None, :]
         sin = torch.cat([sin, sin], dim=-1)[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rill.shard.layers.norm import norm_heads
 from rill.shard.layers.rotary import RotaryEmbedding
 from rill.shard.models.gemma2 import (
     Gemma2Attention,
@@ -16,7 +17,6 @@ from rill.shard.models.gemma2 import (
     GemmaConfig,
     GemmaRMSNorm,
 )
-from rill.shard.models.qwen3 import norm_heads
 
 
 class Gemma3Attention(Gemma2Attention):

@@ -19,8 +19,7 @@ from torch import nn
 
 from rill.shard.layers.activation import SiluAndMul
 from rill.shard.layers.attention import PagedAttention
-from rill.shard.layers.backend import Backend, KernelLayer
-from rill.shard.layers.decoder_stack import DecoderStack, StackLayer
+from rill.shard.layers.decoder_stack import StackLayer
 from rill.shard.layers.embedding import Embedding, LMHead
 from rill.shard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from rill.shard.layers.norm import RMSNorm
@@ -182,6 +181,33 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(self, config: LlamaConfig, layer_id: int) -> nn.Module:
         return self.mlp_class(config)
 
+    def block_parts(self) -> StackLayer | None:
+        """This layer's modules as a standard pre-norm block (rill.shard.layers.decoder_stack), or None where
+        a family's subclass computes anything else: its forward, its attention's or its MLP's is not
+        Llama's."""
+        attention, mlp = self.self_attn, self.mlp
+        if (
+            type(self).forward is not LlamaDecoderLayer.forward
+            or type(attention).forward is not LlamaAttention.forward
+            or type(mlp).forward is not LlamaMLP.forward
+            or any(
+                type(norm).forward is not RMSNorm.forward
+                for norm in (self.input_layernorm, self.post_attention_layernorm)
+            )
+        ):
+            return None
+        return StackLayer(
+            input_norm=self.input_layernorm,
+            qkv=attention.qkv_proj,
+            rotary=attention.rotary_emb,
+            attention=attention.attn,
+            o_proj=attention.o_proj,
+            post_norm=self.post_attention_layernorm,
+            gate_up=mlp.gate_up_proj,
+            act=mlp.act,
+            down=mlp.down_proj,
+        )
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,12 +223,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(KernelLayer):
-    """The decoder stack. On the CPU kernels, with one shard and every layer a plain Llama layer (not a
-    family's subclass) with packed weights, the whole stack runs as one kernel call
-    (`rill.kernels.cpu.decoder_stack`): the same kernels in the same order as the layer modules, so the same
-    bits, without Python between them (about 0.2 ms per layer on a 2-core machine). Otherwise the layers run
-    one module at a time."""
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers, the final norm."""
 
     layer_class: type[nn.Module] = LlamaDecoderLayer
 
@@ -211,41 +233,9 @@ class LlamaModel(KernelLayer):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.stack: DecoderStack | None = None  # set with the CPU backend where it applies
-
-    def set_backend(self, backend: Backend) -> None:
-        super().set_backend(backend)  # the layers already have theirs (use_backend sets children first)
-        self.stack = self._cpu_stack() if backend is Backend.CPU else None
-
-    def _cpu_stack(self) -> DecoderStack | None:
-        plain = all(
-            type(layer) is LlamaDecoderLayer
-            and type(layer.self_attn) is LlamaAttention
-            and type(layer.mlp) is LlamaMLP
-            for layer in self.layers
-        )
-        if not plain:
-            return None
-        layers = [
-            StackLayer(
-                input_norm=layer.input_layernorm,
-                qkv=layer.self_attn.qkv_proj,
-                attention=layer.self_attn.attn,
-                o_proj=layer.self_attn.o_proj,
-                post_norm=layer.post_attention_layernorm,
-                gate_up=layer.mlp.gate_up_proj,
-                down=layer.mlp.down_proj,
-            )
-            for layer in self.layers
-        ]
-        return DecoderStack.for_cpu(layers, self.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        if self.stack is not None:
-            # Every layer rotates by the same table (one config), so one lookup serves the stack.
-            cos, sin = self.layers[0].self_attn.rotary_emb.cos_sin(positions, hidden.dtype)
-            return self.stack(hidden, positions, cos, sin)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
@@ -258,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
 
     config_class: type = LlamaConfig
     model_class: type[nn.Module] = LlamaModel
-    # Hugging Face checkpoint name -> (our fused parameter, part of it).
+    # How the checkpoint's names map to the parameters (rill.shard.weights.CheckpointLayout).
     packed_modules_mapping: dict[str, tuple[str, object]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -266,6 +256,11 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    fused_checkpoint_parts: dict[str, list[tuple[object, int]]] = {}
+
+    @staticmethod
+    def resolve_checkpoint_name(name: str) -> tuple[str, object] | None:
+        return None
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -274,11 +269,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
-
-    @property
-    def num_kv_heads(self) -> int:
-        """KV heads this model instance holds (its rank's share under tensor parallelism)."""
-        return self.model.layers[0].self_attn.num_kv_heads
+        # KV heads this model instance holds (its rank's share under tensor parallelism).
+        self.num_kv_heads: int = self.model.layers[0].self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

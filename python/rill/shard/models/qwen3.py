@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rill.shard.layers.norm import RMSNorm
+from rill.shard.layers.norm import RMSNorm, norm_heads
 from rill.shard.models.llama import (
     LlamaAttention,
     LlamaConfig,
@@ -17,11 +17,6 @@ from rill.shard.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
 )
-
-
-def norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """RMSNorm over the last dim of [tokens, heads, head_dim], as rows of a 2-D tensor."""
-    return norm(x.reshape(-1, x.shape[-1])).view(x.shape)
 
 
 class Qwen3Attention(LlamaAttention):

@@ -8,7 +8,7 @@ from torch import nn
 
 from rill.shard.layers.moe import expert_checkpoint_name
 from rill.shard.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from rill.shard.models.mixtral import MoeConfig, sparse_moe
+from rill.shard.models.moe import MoeConfig, sparse_moe
 from rill.shard.models.qwen3 import Qwen3Attention
 
 

@@ -4,9 +4,11 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <tuple>
 #include <utility>
 #include <vector>
 
+#include "../torch_checks.h"
 #include "ops.h"
 
 namespace {
@@ -19,17 +21,23 @@ void check_cpu(const at::Tensor& t, const char* name) {
               " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
-void check_same_dtype(const at::Tensor& t, const at::Tensor& like, const char* name) {
-  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " dtype ", t.scalar_type(), " differs from ",
-              like.scalar_type());
-}
+using rill_binding::check_like;
+using rill_binding::check_same_dtype;
 
-// [tokens, heads, head_dim] with the last two dims contiguous; returns the token stride in elements.
+// [tokens, heads, head_dim] CPU rows (rill_binding::rows_stride); returns the token stride in elements.
 int64_t rows_stride(const at::Tensor& t, const char* name) {
   check_cpu(t, name);
-  TORCH_CHECK(t.dim() == 3, name, " must be [num_tokens, num_heads, head_dim]");
-  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), name, " must have contiguous heads and head dims");
-  return t.stride(0);
+  return rill_binding::rows_stride(t, name);
+}
+
+// Calls f(float{}) or f(bf16{}) for t's dtype (check_cpu has checked it is one of them).
+template <typename F>
+void dispatch_float(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(float{});
+  } else {
+    f(bf16{});
+  }
 }
 
 // A layer's K and V pools: V [num_blocks, block_size, num_kv_heads, head_dim], K the same or, bfloat16 where the
@@ -138,13 +146,21 @@ AttentionBatch attention_batch(int64_t num_tokens, int64_t num_heads, int64_t he
   return batch;
 }
 
+template <typename T>
+T* ptr(at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+template <typename T>
+const T* optional_ptr(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? static_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                      at::Tensor cu_seqlens_q, at::Tensor positions, double scale, int64_t sliding_window,
                      double softcap) {
   const int64_t q_stride = rows_stride(q, "q");
   const PoolShape pools = pool_shape(k_pool, v_pool, q);
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
-              "out must be contiguous, with q's shape and dtype");
+  check_like(out, q, "out", "q");
   AttentionBatch batch = attention_batch(q.size(0), q.size(1), q.size(2), pools, block_tables, cu_seqlens_q,
                                          positions, scale, sliding_window, softcap);
   rill_cpu::PagedAttentionArgs& args = batch.args;
@@ -153,11 +169,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
   args.q_token_stride = q_stride;
   args.k_pool = k_pool.data_ptr();
   args.v_pool = v_pool.data_ptr();
-  if (q.scalar_type() == at::kFloat) {
-    rill_cpu::paged_attention<float>(args);
-  } else {
-    rill_cpu::paged_attention<bf16>(args);
-  }
+  dispatch_float(q, [&](auto zero) { rill_cpu::paged_attention<decltype(zero)>(args); });
 }
 
 // slot_mapping as int64, each slot below the pool's `num_slots` (negative slots are skipped by store_kv).
@@ -178,33 +190,19 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, 
   TORCH_CHECK(k.size(1) == pools.num_kv_heads && k.size(2) == pools.head_dim, "k rows do not match the pool");
   const at::Tensor slots = checked_slots(slot_mapping, k.size(0), pools.num_blocks * pools.block_size);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  if (k.scalar_type() == at::kFloat) {
-    rill_cpu::store_kv(k.data_ptr<float>(), k_stride, v.data_ptr<float>(), v_stride, k_pool.data_ptr<float>(),
-                       v_pool.data_ptr<float>(), slot_ptr, k.size(0), pools.num_kv_heads, pools.head_dim,
-                       pools.block_size, pools.paired_k, num_threads());
-  } else {
-    rill_cpu::store_kv(static_cast<const bf16*>(k.data_ptr()), k_stride, static_cast<const bf16*>(v.data_ptr()),
-                       v_stride, static_cast<bf16*>(k_pool.data_ptr()), static_cast<bf16*>(v_pool.data_ptr()),
+  dispatch_float(k, [&](auto zero) {
+    using T = decltype(zero);
+    rill_cpu::store_kv(ptr<const T>(k), k_stride, ptr<const T>(v), v_stride, ptr<T>(k_pool), ptr<T>(v_pool),
                        slot_ptr, k.size(0), pools.num_kv_heads, pools.head_dim, pools.block_size, pools.paired_k,
                        num_threads());
-  }
-}
-
-template <typename T>
-T* ptr(at::Tensor& t) {
-  return static_cast<T*>(t.data_ptr());
-}
-template <typename T>
-const T* optional_ptr(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? static_cast<const T*>(t->data_ptr()) : nullptr;
+  });
 }
 
 void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, c10::optional<at::Tensor> residual,
                         at::Tensor weight, double eps) {
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [num_rows, hidden]");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
-              "out must be contiguous, with x's shape and dtype");
+  check_like(out, x, "out", "x");
   check_cpu(weight, "weight");
   check_same_dtype(weight, x, "weight");
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1),
@@ -212,20 +210,14 @@ void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, at::Tensor x, c
   if (residual.has_value()) {
     check_cpu(*residual, "residual");
     check_same_dtype(*residual, x, "residual");
-    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual must be like x");
-    TORCH_CHECK(residual_out.is_contiguous() && residual_out.sizes() == x.sizes() &&
-                    residual_out.scalar_type() == x.scalar_type(),
-                "residual_out must be like x");
+    check_like(*residual, x, "residual", "x");
+    check_like(residual_out, x, "residual_out", "x");
   }
-  if (x.scalar_type() == at::kFloat) {
-    rill_cpu::fused_add_rms_norm(ptr<float>(out), ptr<float>(residual_out), ptr<const float>(x),
-                                 optional_ptr<float>(residual), ptr<const float>(weight), x.size(0), x.size(1),
-                                 static_cast<float>(eps), num_threads());
-  } else {
-    rill_cpu::fused_add_rms_norm(ptr<bf16>(out), ptr<bf16>(residual_out), ptr<const bf16>(x),
-                                 optional_ptr<bf16>(residual), ptr<const bf16>(weight), x.size(0), x.size(1),
-                                 static_cast<float>(eps), num_threads());
-  }
+  dispatch_float(x, [&](auto zero) {
+    using T = decltype(zero);
+    rill_cpu::fused_add_rms_norm(ptr<T>(out), ptr<T>(residual_out), ptr<const T>(x), optional_ptr<T>(residual),
+                                 ptr<const T>(weight), x.size(0), x.size(1), static_cast<float>(eps), num_threads());
+  });
 }
 
 void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
@@ -239,13 +231,11 @@ void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin
     TORCH_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == q.size(2) / 2,
                 "cos and sin must be contiguous [num_tokens, head_dim / 2]");
   }
-  if (q.scalar_type() == at::kFloat) {
-    rill_cpu::rotary_embedding(ptr<float>(q), q_stride, q.size(1), ptr<float>(k), k_stride, k.size(1),
-                               ptr<const float>(cos), ptr<const float>(sin), q.size(0), q.size(2), num_threads());
-  } else {
-    rill_cpu::rotary_embedding(ptr<bf16>(q), q_stride, q.size(1), ptr<bf16>(k), k_stride, k.size(1),
-                               ptr<const bf16>(cos), ptr<const bf16>(sin), q.size(0), q.size(2), num_threads());
-  }
+  dispatch_float(q, [&](auto zero) {
+    using T = decltype(zero);
+    rill_cpu::rotary_embedding(ptr<T>(q), q_stride, q.size(1), ptr<T>(k), k_stride, k.size(1), ptr<const T>(cos),
+                               ptr<const T>(sin), q.size(0), q.size(2), num_threads());
+  });
 }
 
 void silu_and_mul(at::Tensor out, at::Tensor x) {
@@ -255,11 +245,10 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == intermediate &&
                   out.scalar_type() == x.scalar_type(),
               "out must be a contiguous [num_tokens, I] of x's dtype");
-  if (x.scalar_type() == at::kFloat) {
-    rill_cpu::silu_and_mul(ptr<float>(out), ptr<const float>(x), x.size(0), intermediate, num_threads());
-  } else {
-    rill_cpu::silu_and_mul(ptr<bf16>(out), ptr<const bf16>(x), x.size(0), intermediate, num_threads());
-  }
+  dispatch_float(x, [&](auto zero) {
+    using T = decltype(zero);
+    rill_cpu::silu_and_mul(ptr<T>(out), ptr<const T>(x), x.size(0), intermediate, num_threads());
+  });
 }
 
 // The packed shape of a weight [N, K] of `dtype`: float32 [ceil(N / kPanel), K, kPanel]; bfloat16
@@ -357,29 +346,22 @@ std::tuple<at::Tensor, at::Tensor> softmax_stats(const at::Tensor& x) {
   return {row_maxes, log_sums};
 }
 
-// One decoder layer's weights as the shard hands them over: norms [hidden], projections packed by pack_linear,
-// optional biases [out features].
+// One decoder layer's weights as the shard hands them over (the fields of RILL_DECODER_LAYER_WEIGHTS, ops.h;
+// an optional one may be None) and its sliding window.
 struct DecoderLayerWeights {
-  at::Tensor input_norm;
-  at::Tensor qkv;
-  c10::optional<at::Tensor> qkv_bias;
-  at::Tensor o_proj;
-  c10::optional<at::Tensor> o_proj_bias;
-  at::Tensor post_norm;
-  at::Tensor gate_up;
-  c10::optional<at::Tensor> gate_up_bias;
-  at::Tensor down;
-  c10::optional<at::Tensor> down_bias;
-  int64_t sliding_window;
+#define RILL_TENSOR_FIELD(name, is_optional) c10::optional<at::Tensor> name;
+  RILL_DECODER_LAYER_WEIGHTS(RILL_TENSOR_FIELD)
+#undef RILL_TENSOR_FIELD
+  int64_t sliding_window = 0;
 };
 
-// A Llama-family decoder stack whose forward is one call (decoder.cpp). Holds the weights, checked once here.
+// A run of Llama-family decoder layers whose forward is one call (decoder.cpp). Holds the weights, checked once
+// here.
 class DecoderStack {
  public:
-  DecoderStack(std::vector<DecoderLayerWeights> layers, at::Tensor final_norm, int64_t intermediate_size,
-               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scale)
+  DecoderStack(std::vector<DecoderLayerWeights> layers, int64_t intermediate_size, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double rms_norm_eps, double scale)
       : layers_(std::move(layers)),
-        final_norm_(std::move(final_norm)),
         intermediate_(intermediate_size),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
@@ -387,49 +369,54 @@ class DecoderStack {
         eps_(rms_norm_eps),
         scale_(scale) {
     TORCH_CHECK(!layers_.empty(), "a decoder stack needs at least one layer");
-    check_cpu(final_norm_, "final_norm");
-    check_linear_dtype(final_norm_, "the decoder stack's dtype");
-    TORCH_CHECK(final_norm_.dim() == 1 && final_norm_.is_contiguous(), "final_norm must be a contiguous [hidden]");
-    const auto dtype = final_norm_.scalar_type();
-    hidden_ = final_norm_.size(0);
+#define RILL_CHECK_PRESENT(name, is_optional)                                                              \
+  for (const auto& layer : layers_) TORCH_CHECK(is_optional || layer.name.has_value(), #name " is missing");
+    RILL_DECODER_LAYER_WEIGHTS(RILL_CHECK_PRESENT)
+#undef RILL_CHECK_PRESENT
+    const at::Tensor& first_norm = *layers_[0].input_norm;
+    check_cpu(first_norm, "input_norm");
+    check_linear_dtype(first_norm, "the decoder stack's dtype");
+    dtype_ = first_norm.scalar_type();
+    hidden_ = first_norm.size(0);
     const int64_t q_size = num_heads * head_dim, qkv_size = q_size + 2 * num_kv_heads * head_dim;
-    const auto check_vector = [&](const at::Tensor& t, int64_t size, const char* what) {
-      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == size &&
-                      t.is_contiguous(),
-                  what, " must be a contiguous ", dtype, " [", size, "]");
-    };
-    const auto check_bias = [&](const c10::optional<at::Tensor>& bias, int64_t size, const char* what) {
-      if (bias.has_value()) check_vector(*bias, size, what);
+    const auto check_vector = [&](const c10::optional<at::Tensor>& t, int64_t size, const char* what) {
+      if (!t.has_value()) return;  // an absent bias (the required fields were checked above)
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype_ && t->dim() == 1 && t->size(0) == size &&
+                      t->is_contiguous(),
+                  what, " must be a contiguous ", dtype_, " [", size, "]");
     };
     for (const auto& layer : layers_) {
       check_vector(layer.input_norm, hidden_, "input_norm");
       check_vector(layer.post_norm, hidden_, "post_norm");
-      check_packed(layer.qkv, dtype, qkv_size, hidden_, "qkv");
-      check_bias(layer.qkv_bias, qkv_size, "qkv_bias");
-      check_packed(layer.o_proj, dtype, hidden_, q_size, "o_proj");
-      check_bias(layer.o_proj_bias, hidden_, "o_proj_bias");
-      check_packed(layer.gate_up, dtype, 2 * intermediate_size, hidden_, "gate_up");
-      check_bias(layer.gate_up_bias, 2 * intermediate_size, "gate_up_bias");
-      check_packed(layer.down, dtype, hidden_, intermediate_size, "down");
-      check_bias(layer.down_bias, hidden_, "down_bias");
+      check_packed(*layer.qkv, dtype_, qkv_size, hidden_, "qkv");
+      check_vector(layer.qkv_bias, qkv_size, "qkv_bias");
+      check_packed(*layer.o_proj, dtype_, hidden_, q_size, "o_proj");
+      check_vector(layer.o_proj_bias, hidden_, "o_proj_bias");
+      check_packed(*layer.gate_up, dtype_, 2 * intermediate_size, hidden_, "gate_up");
+      check_vector(layer.gate_up_bias, 2 * intermediate_size, "gate_up_bias");
+      check_packed(*layer.down, dtype_, hidden_, intermediate_size, "down");
+      check_vector(layer.down_bias, hidden_, "down_bias");
       TORCH_CHECK(layer.sliding_window >= 0, "sliding_window must be >= 0");
     }
   }
 
-  // embedded [num_tokens, hidden]; positions [num_tokens]; cos, sin [num_tokens, head_dim / 2] in the stack's
-  // dtype; one K and one V pool per layer; block_tables, cu_seqlens_q and slot_mapping as for paged_attention and
-  // store_kv. Writes every layer's new K/V and returns the final norm's output [num_tokens, hidden].
-  at::Tensor forward(const at::Tensor& embedded, const at::Tensor& positions, const at::Tensor& cos,
-                     const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
-                     const std::vector<at::Tensor>& v_pools, const at::Tensor& block_tables,
-                     const at::Tensor& cu_seqlens_q, const at::Tensor& slot_mapping) const {
-    check_cpu(embedded, "embedded");
-    check_same_dtype(embedded, final_norm_, "embedded");
-    TORCH_CHECK(embedded.dim() == 2 && embedded.size(1) == hidden_ && embedded.is_contiguous(),
-                "embedded must be a contiguous [num_tokens, ", hidden_, "]");
-    const int64_t tokens = embedded.size(0);
+  // hidden [num_tokens, hidden] and residual (None: hidden is also the residual, as for the model's first layer),
+  // as LlamaDecoderLayer.forward takes them; positions [num_tokens]; cos, sin [num_tokens, head_dim / 2] in the
+  // stack's dtype; one K and one V pool per layer; block_tables, cu_seqlens_q and slot_mapping as for
+  // paged_attention and store_kv. Writes every layer's new K/V and returns the last layer's (hidden, residual).
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
+                                             const at::Tensor& positions, const at::Tensor& cos,
+                                             const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
+                                             const std::vector<at::Tensor>& v_pools, const at::Tensor& block_tables,
+                                             const at::Tensor& cu_seqlens_q, const at::Tensor& slot_mapping) const {
+    check_cpu(hidden, "hidden");
+    TORCH_CHECK(hidden.scalar_type() == dtype_, "hidden must be ", dtype_, ", got ", hidden.scalar_type());
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_ && hidden.is_contiguous(),
+                "hidden must be a contiguous [num_tokens, ", hidden_, "]");
+    if (residual.has_value()) check_like(*residual, hidden, "residual", "hidden");
+    const int64_t tokens = hidden.size(0);
     for (const auto* t : {&cos, &sin}) {
-      check_same_dtype(*t, embedded, "cos/sin");
+      check_same_dtype(*t, hidden, "cos/sin");
       TORCH_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(0) == tokens && t->size(1) == head_dim_ / 2,
                   "cos and sin must be contiguous [num_tokens, head_dim / 2]");
     }
@@ -437,40 +424,28 @@ class DecoderStack {
     TORCH_CHECK(static_cast<int64_t>(k_pools.size()) == num_layers &&
                     static_cast<int64_t>(v_pools.size()) == num_layers,
                 "need one K and one V pool per layer (", num_layers, ")");
-    const PoolShape pools = pool_shape(k_pools[0], v_pools[0], embedded);
+    const PoolShape pools = pool_shape(k_pools[0], v_pools[0], hidden);
     for (int64_t l = 1; l < num_layers; ++l) {
-      TORCH_CHECK(pool_shape(k_pools[l], v_pools[l], embedded) == pools,
-                  "every layer's pools must have the same shape");
+      TORCH_CHECK(pool_shape(k_pools[l], v_pools[l], hidden) == pools, "every layer's pools must have the same shape");
     }
     AttentionBatch batch = attention_batch(tokens, num_heads_, head_dim_, pools, block_tables, cu_seqlens_q,
                                            positions, scale_, 0, 0.0);
-    TORCH_CHECK(pools.num_kv_heads == num_kv_heads_, "the pools hold ", pools.num_kv_heads,
-                " KV heads, the stack ", num_kv_heads_);
+    TORCH_CHECK(pools.num_kv_heads == num_kv_heads_, "the pools hold ", pools.num_kv_heads, " KV heads, the stack ",
+                num_kv_heads_);
     const at::Tensor slots = checked_slots(slot_mapping, tokens, pools.num_blocks * pools.block_size);
-    auto out = at::empty({tokens, hidden_}, embedded.options());
-    if (tokens == 0) return out;
+    const auto workspace = [&](int64_t width) { return at::empty({tokens, width}, hidden.options()); };
+    const at::Tensor out = workspace(hidden_), residual_out = workspace(hidden_);
+    if (tokens == 0) return {out, residual_out};
     const int64_t q_size = num_heads_ * head_dim_, qkv_size = q_size + 2 * num_kv_heads_ * head_dim_;
-    const auto workspace = [&](int64_t width) { return at::empty({tokens, width}, embedded.options()); };
-    const at::Tensor qkv = workspace(qkv_size), attention_out = workspace(q_size), residual = workspace(hidden_);
-    const at::Tensor layer_out = workspace(hidden_), gate_up = workspace(2 * intermediate_);
-    const at::Tensor activation = workspace(intermediate_);
-    const auto optional_data = [](const c10::optional<at::Tensor>& t) -> const void* {
-      return t.has_value() ? t->data_ptr() : nullptr;
-    };
+    const at::Tensor qkv = workspace(qkv_size), attention_out = workspace(q_size), normed = workspace(hidden_);
+    const at::Tensor gate_up = workspace(2 * intermediate_), activation = workspace(intermediate_);
     std::vector<rill_cpu::DecoderLayer> layers(num_layers);
     for (int64_t l = 0; l < num_layers; ++l) {
       const DecoderLayerWeights& w = layers_[l];
       rill_cpu::DecoderLayer& layer = layers[l];
-      layer.input_norm = w.input_norm.data_ptr();
-      layer.qkv = w.qkv.data_ptr();
-      layer.qkv_bias = optional_data(w.qkv_bias);
-      layer.o_proj = w.o_proj.data_ptr();
-      layer.o_proj_bias = optional_data(w.o_proj_bias);
-      layer.post_norm = w.post_norm.data_ptr();
-      layer.gate_up = w.gate_up.data_ptr();
-      layer.gate_up_bias = optional_data(w.gate_up_bias);
-      layer.down = w.down.data_ptr();
-      layer.down_bias = optional_data(w.down_bias);
+#define RILL_SET_POINTER(name, is_optional) layer.name = w.name.has_value() ? w.name->data_ptr() : nullptr;
+      RILL_DECODER_LAYER_WEIGHTS(RILL_SET_POINTER)
+#undef RILL_SET_POINTER
       layer.k_pool = k_pools[l].data_ptr();
       layer.v_pool = v_pools[l].data_ptr();
       layer.sliding_window = w.sliding_window;
@@ -478,36 +453,36 @@ class DecoderStack {
     rill_cpu::DecoderStackArgs args{};
     args.layers = layers.data();
     args.num_layers = num_layers;
-    args.final_norm = final_norm_.data_ptr();
     args.hidden_size = hidden_;
     args.intermediate_size = intermediate_;
     args.rms_norm_eps = static_cast<float>(eps_);
     args.num_tokens = tokens;
-    args.out = out.data_ptr();
-    args.embedded = embedded.data_ptr();
+    args.hidden = hidden.data_ptr();
+    args.residual_in = residual.has_value() ? residual->data_ptr() : nullptr;
     args.cos = cos.data_ptr();
     args.sin = sin.data_ptr();
     args.slots = slots.data_ptr<int64_t>();
+    args.out = out.data_ptr();
+    args.residual = residual_out.data_ptr();
     args.qkv_out = qkv.data_ptr();
     args.attention_out = attention_out.data_ptr();
-    args.residual = residual.data_ptr();
-    args.layer_out = layer_out.data_ptr();
+    args.normed = normed.data_ptr();
     args.gate_up_out = gate_up.data_ptr();
     args.activation = activation.data_ptr();
     args.attention = batch.args;
-    if (embedded.scalar_type() == at::kFloat) {
+    if (dtype_ == at::kFloat) {
       rill_cpu::decoder_stack<float>(args);
     } else {
 #if defined(__AVX512BF16__)
       rill_cpu::decoder_stack<bf16>(args);
 #endif
     }
-    return out;
+    return {out, residual_out};
   }
 
  private:
   std::vector<DecoderLayerWeights> layers_;
-  at::Tensor final_norm_;
+  at::ScalarType dtype_ = at::kFloat;
   int64_t hidden_ = 0;
   int64_t intermediate_;
   int64_t num_heads_;
@@ -533,18 +508,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, release_gil);
   m.def("argmax_rows", &argmax_rows, release_gil);
   m.def("softmax_stats", &softmax_stats, release_gil);
-  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
-      .def(py::init<at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,
-                    at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>,
-                    int64_t>(),
-           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o_proj"), py::arg("o_proj_bias"),
-           py::arg("post_norm"), py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"),
-           py::arg("down_bias"), py::arg("sliding_window"));
+  {
+    py::class_<DecoderLayerWeights> weights(m, "DecoderLayerWeights");
+    weights.def(py::init<>()).def_readwrite("sliding_window", &DecoderLayerWeights::sliding_window);
+    py::list fields;
+#define RILL_EXPORT_FIELD(name, is_optional)                         \
+  weights.def_readwrite(#name, &DecoderLayerWeights::name);          \
+  fields.append(py::make_tuple(#name, is_optional));
+    RILL_DECODER_LAYER_WEIGHTS(RILL_EXPORT_FIELD)
+#undef RILL_EXPORT_FIELD
+    // (name, is_optional) of each weight, in declaration order: what rill/kernels/cpu.py fills.
+    m.attr("DECODER_LAYER_FIELDS") = py::tuple(fields);
+  }
   py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<std::vector<DecoderLayerWeights>, at::Tensor, int64_t, int64_t, int64_t, int64_t, double,
-                    double>(),
-           py::arg("layers"), py::arg("final_norm"), py::arg("intermediate_size"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scale"))
+      .def(py::init<std::vector<DecoderLayerWeights>, int64_t, int64_t, int64_t, int64_t, double, double>(),
+           py::arg("layers"), py::arg("intermediate_size"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("rms_norm_eps"), py::arg("scale"))
       .def("forward", &DecoderStack::forward, release_gil);
 #if defined(__AVX512F__)
   m.attr("HAS_AVX512") = true;

@@ -39,23 +39,28 @@ void decoder_stack(const DecoderStackArgs& a) {
   T* qkv = as<T>(a.qkv_out);
   T* attention_out = as<T>(a.attention_out);
   T* residual = as<T>(a.residual);
-  T* layer_out = as<T>(a.layer_out);
+  T* layer_out = as<T>(a.out);
   T* gate_up = as<T>(a.gate_up_out);
   T* activation = as<T>(a.activation);
-  T* normed = as<T>(a.out);  // each norm's output; the last one is the result
+  T* normed = as<T>(a.normed);
   PagedAttentionArgs attention = a.attention;
   attention.q = qkv;
   attention.q_token_stride = qkv_size;
   attention.out = attention_out;
   for (int64_t l = 0; l < a.num_layers; ++l) {
     const DecoderLayer& layer = a.layers[l];
-    // The first layer normalizes the embeddings, which are its residual; later ones add the residual first.
-    if (l == 0) {
-      fused_add_rms_norm<T>(normed, nullptr, as<T>(a.embedded), nullptr, as<T>(layer.input_norm), tokens, hidden,
-                            a.rms_norm_eps, threads);
+    // The stream entering this layer: its output so far and the residual (the first layer's as given; the
+    // model's first layer has no residual, its input being the residual).
+    const T* in = l == 0 ? as<T>(a.hidden) : layer_out;
+    const T* residual_in = l == 0 ? as<T>(a.residual_in) : residual;
+    if (residual_in == nullptr) {
+      fused_add_rms_norm<T>(normed, nullptr, in, nullptr, as<T>(layer.input_norm), tokens, hidden, a.rms_norm_eps,
+                            threads);
+      residual_in = in;
     } else {
-      fused_add_rms_norm<T>(normed, residual, layer_out, residual, as<T>(layer.input_norm), tokens, hidden,
+      fused_add_rms_norm<T>(normed, residual, in, residual_in, as<T>(layer.input_norm), tokens, hidden,
                             a.rms_norm_eps, threads);
+      residual_in = residual;
     }
     project<T>(normed, layer.qkv, layer.qkv_bias, qkv, tokens, hidden, qkv_size, threads);
     rotary_embedding<T>(qkv, qkv_size, attention.num_heads, qkv + q_size, qkv_size, attention.num_kv_heads,
@@ -68,14 +73,12 @@ void decoder_stack(const DecoderStackArgs& a) {
     attention.sliding_window = layer.sliding_window;
     paged_attention<T>(attention);
     project<T>(attention_out, layer.o_proj, layer.o_proj_bias, layer_out, tokens, q_size, hidden, threads);
-    fused_add_rms_norm<T>(normed, residual, layer_out, l == 0 ? as<T>(a.embedded) : residual,
-                          as<T>(layer.post_norm), tokens, hidden, a.rms_norm_eps, threads);
+    fused_add_rms_norm<T>(normed, residual, layer_out, residual_in, as<T>(layer.post_norm), tokens, hidden,
+                          a.rms_norm_eps, threads);
     project<T>(normed, layer.gate_up, layer.gate_up_bias, gate_up, tokens, hidden, 2 * inter, threads);
     silu_and_mul<T>(activation, gate_up, tokens, inter, threads);
     project<T>(activation, layer.down, layer.down_bias, layer_out, tokens, inter, hidden, threads);
   }
-  fused_add_rms_norm<T>(normed, residual, layer_out, residual, as<T>(a.final_norm), tokens, hidden, a.rms_norm_eps,
-                        threads);
 }
 
 template void decoder_stack<float>(const DecoderStackArgs&);

@@ -93,19 +93,28 @@ void argmax_rows(const float* x, int64_t num_rows, int64_t n, int64_t* out, int 
 void softmax_stats(const float* x, int64_t num_rows, int64_t n, float* row_maxes, float* log_sums,
                    int num_threads);
 
-// One Llama-family decoder layer's weights (elements of T): projections packed by pack_linear, biases null when
-// absent.
+// One Llama-family decoder layer's weights, declared once: X(name, is_optional) for each, in the order the
+// shard hands them over (binding.cpp exports the names as DECODER_LAYER_FIELDS, and rill/kernels/cpu.py builds
+// each layer from them). Norms are [hidden]; projections are packed by pack_linear (qkv [q + k + v features,
+// hidden], o_proj [hidden, num_heads * head_dim], gate_up [2 * intermediate, hidden] with the gate's rows first,
+// down [hidden, intermediate]); optional biases are [out features].
+#define RILL_DECODER_LAYER_WEIGHTS(X) \
+  X(input_norm, false)                \
+  X(qkv, false)                       \
+  X(qkv_bias, true)                   \
+  X(o_proj, false)                    \
+  X(o_proj_bias, true)                \
+  X(post_norm, false)                 \
+  X(gate_up, false)                   \
+  X(gate_up_bias, true)               \
+  X(down, false)                      \
+  X(down_bias, true)
+
+// A layer as the kernels read it (elements of T; an absent bias is null).
 struct DecoderLayer {
-  const void* input_norm;  // [hidden]
-  const void* qkv;         // packed [q + k + v features, hidden]
-  const void* qkv_bias;
-  const void* o_proj;      // packed [hidden, num_heads * head_dim]
-  const void* o_proj_bias;
-  const void* post_norm;   // [hidden]
-  const void* gate_up;     // packed [2 * intermediate, hidden], the gate's rows first
-  const void* gate_up_bias;
-  const void* down;        // packed [hidden, intermediate]
-  const void* down_bias;
+#define RILL_POINTER_FIELD(name, is_optional) const void* name;
+  RILL_DECODER_LAYER_WEIGHTS(RILL_POINTER_FIELD)
+#undef RILL_POINTER_FIELD
   void* k_pool;            // this layer's pools, as for paged_attention
   void* v_pool;
   int64_t sliding_window;  // 0: the layer sees every earlier position
@@ -114,31 +123,35 @@ struct DecoderLayer {
 struct DecoderStackArgs {
   const DecoderLayer* layers;
   int64_t num_layers;
-  const void* final_norm;  // [hidden]
   int64_t hidden_size;
   int64_t intermediate_size;
   float rms_norm_eps;
   int64_t num_tokens;
-  void* out;               // [num_tokens, hidden]: the final norm's output
-  const void* embedded;    // [num_tokens, hidden]: the tokens' embeddings (read only)
+  // [num_tokens, hidden]: the stream entering the first layer, as LlamaDecoderLayer.forward takes it: `hidden`,
+  // and `residual_in` (null for the model's first layer, whose residual is `hidden` itself; read only).
+  const void* hidden;
+  const void* residual_in;
   const void* cos;         // [num_tokens, head_dim / 2]
   const void* sin;
   const int64_t* slots;    // [num_tokens], as for store_kv
+  // Outputs, [num_tokens, hidden] each: the last layer's output and the residual stream (their sum is the
+  // stream leaving the stack, which the model's next norm adds).
+  void* out;
+  void* residual;
   // Workspace, each [num_tokens, its width]: qkv (q + k + v features), attention output (num_heads * head_dim),
-  // two of hidden (the residual stream and a layer's output), gate/up (2 * intermediate), activation (intermediate).
+  // a norm's output (hidden), gate/up (2 * intermediate), activation (intermediate).
   void* qkv_out;
   void* attention_out;
-  void* residual;
-  void* layer_out;
+  void* normed;
   void* gate_up_out;
   void* activation;
   // Everything paged attention needs but the pools, q and out, which change per layer.
   PagedAttentionArgs attention;
 };
 
-// Runs every layer as the per-layer modules of rill/shard/models/llama.py do on the CPU backend: the same kernels
-// in the same order on the same inputs, so the output is bitwise theirs (a bias is added as torch adds two tensors
-// of T: in float32, rounded to T). Writes each layer's new K/V into its pools.
+// Runs every layer as LlamaDecoderLayer.forward (rill/shard/models/llama.py) does on the CPU kernels: the same
+// kernels in the same order on the same inputs, so the output is bitwise theirs (a bias is added as torch adds
+// two tensors of T: in float32, rounded to T). Writes each layer's new K/V into its pools.
 template <typename T>
 void decoder_stack(const DecoderStackArgs& args);
 
