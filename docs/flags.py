@@ -1,5 +1,5 @@
-"""The flag tables of docs/flags.md, made from the binaries' own help: the launcher's flags (`python -m rill`) and the
-router's (`rill-router --help`). Neither table is edited by hand.
+"""The flag tables of docs/flags.md, made from the binaries' own help: the launcher's flags (`python -m rill`)
+and the router's (`rill-router --help`). Neither table is edited by hand.
 
 Run: python docs/flags.py [--router-bin PATH]   rewrites the tables in docs/flags.md (between their markers);
      tests/test_docs_flags.py fails while docs/flags.md and the binaries disagree.

@@ -1,5 +1,6 @@
-"""docs/flags.md's flag tables equal what the binaries' own help says (names, env variables, defaults, meanings):
-docs/flags.py makes them, this test fails when a flag changed and `python docs/flags.py` was not run."""
+"""docs/flags.md's flag tables equal what the binaries' own help says (names, env variables, defaults,
+meanings): docs/flags.py makes them, this test fails when a flag changed and `python docs/flags.py` was not
+run."""
 
 from __future__ import annotations
 
