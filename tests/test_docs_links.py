@@ -1,7 +1,8 @@
-"""Every relative link in the repository's Markdown resolves: `[text](path)` names a file or folder that exists,
-and `[text](path.md#anchor)` or `[text](#anchor)` a heading of that page (GitHub's anchors: the heading's text in
-lower case, punctuation dropped, spaces as hyphens, `-1`, `-2`... for repeats). Links to other sites are not
-fetched. Run on every tracked `*.md` file, README.md, docs/ and bench/README.md among them."""
+"""Every relative link in the repository's Markdown resolves: `[text](path)` names a file or folder that
+exists, and `[text](path.md#anchor)` or `[text](#anchor)` a heading of that page (GitHub's anchors: the
+heading's text in lower case, punctuation dropped, spaces as hyphens, `-1`, `-2`... for repeats). Links to
+other sites are not fetched. Run on every tracked `*.md` file, README.md, docs/ and bench/README.md among
+them."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def prose_lines(text: str) -> list[str]:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading's text: markup dropped, lower case, punctuation out, spaces to hyphens."""
+    """GitHub's anchor for a heading: markup dropped, lower case, punctuation out, spaces as hyphens."""
     text = INLINE_CODE.sub(lambda m: m[2], heading)
     text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link's text only
     text = re.sub(r"<[^>]+>", "", text).lower()
