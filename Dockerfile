@@ -6,7 +6,7 @@
 #   docker run --gpus all -p 8080:8080 -v /srv/models:/models:ro \
 #       -e RILL_MODEL_ID=/models/Llama-3.2-1B-Instruct rill --max-batch-size 32  # your model; flags after the image
 #
-# Every launcher flag is also an environment variable RILL_<FLAG> (README, "Deployment").
+# Every launcher flag is also an environment variable RILL_<FLAG> (docs/deployment.md, docs/flags.md).
 # Both stages use the same Debian release, so the router binary built in the first runs on the second's glibc.
 
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm

@@ -1,5 +1,5 @@
 """Rill's own benchmark suite: starts Rill in the configurations to compare, runs the same seeded workload
-against each (back to back, in one run), and prints the ratios that the README reports.
+against each (back to back, in one run), and prints the ratios that docs/benchmarks.md reports.
 
     python -m bench.suite scheduling   # continuous vs --scheduling static (mixed workload)
     python -m bench.suite itl          # ITL while 4,000-token prompts arrive, with/without --target-itl-ms

@@ -1,8 +1,8 @@
-"""The README's flag tables, made from the binaries' own help: the launcher's flags (`python -m rill`) and the
-router's (`rill-router --help`). Neither table is edited by hand.
+"""The flag tables of docs/flags.md, made from the binaries' own help: the launcher's flags (`python -m rill`)
+and the router's (`rill-router --help`). Neither table is edited by hand.
 
-Run: python docs/flags.py [--router-bin PATH]   rewrites the tables in README.md (between their markers);
-     tests/test_readme_flags.py fails while README.md and the binaries disagree.
+Run: python docs/flags.py [--router-bin PATH]   rewrites the tables in docs/flags.md (between their markers);
+     tests/test_docs_flags.py fails while docs/flags.md and the binaries disagree.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rill import launcher
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parent / "flags.md"
 TABLES = ("launcher", "router")
 # `rill-router --help`: an option's first line, then its help, ending in [env: ...] [default: ...] tags.
 OPTION_LINE = re.compile(r"^ {2,8}(?:-\w, )?(--[\w-]+)")  # its help is indented further
@@ -97,19 +97,19 @@ def tables(router_bin: Path) -> dict[str, str]:
     return {"launcher": table(launcher_flags()), "router": table(router_flags(router_bin))}
 
 
-def readme_table(readme: str, name: str) -> str:
+def page_table(page: str, name: str) -> str:
     begin, end = markers(name)
-    start = readme.index(begin) + len(begin)
-    return readme[start : readme.index(end, start)]
+    start = page.index(begin) + len(begin)
+    return page[start : page.index(end, start)]
 
 
-def write_readme(router_bin: Path) -> None:
-    readme = README.read_text()
+def write_page(router_bin: Path) -> None:
+    page = PAGE.read_text()
     for name, text in tables(router_bin).items():
         begin, end = markers(name)
-        start = readme.index(begin) + len(begin)
-        readme = readme[:start] + text + readme[readme.index(end, start) :]
-    README.write_text(readme)
+        start = page.index(begin) + len(begin)
+        page = page[:start] + text + page[page.index(end, start) :]
+    PAGE.write_text(page)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-bin", type=Path, default=os.environ.get("RILL_ROUTER_BIN"),
                         help="default: RILL_ROUTER_BIN, else what the launcher finds")  # fmt: skip
     args = parser.parse_args(argv)
-    write_readme(args.router_bin or launcher.find_router_bin(os.environ))
+    write_page(args.router_bin or launcher.find_router_bin(os.environ))
     return 0
 
 

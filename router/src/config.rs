@@ -13,7 +13,7 @@ use crate::{
 /// which starts the shards first; the router connects to them, sizes the KV pool (Warmup) and serves.
 //
 // This struct is the one declaration of the router's flags: the launcher passes every flag it does not
-// act on through unchanged, and the README's flag table is generated from `--help` (docs/flags.py). Each
+// act on through unchanged, and docs/flags.md's flag table is generated from `--help` (docs/flags.py). Each
 // flag reads `RILL_<FLAG>` when not given on the command line (a test checks that every flag has it); a
 // switch is turned off with `--switch=false` (see `switch_takes_a_value`).
 #[derive(Debug, Parser)]

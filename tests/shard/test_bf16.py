@@ -3,7 +3,7 @@
 Two bfloat16 implementations round differently (different fused operations and reduction orders), so the
 agreement is stated, not bitwise: teacher-forced over a 46-token text, the next-token choice (argmax) agrees
 at >= 95% of the positions and the logits stay within 10% of the logit scale; greedy generation agrees on its
-first 8 tokens for at least 3 of 4 prompts. (Measured: see the README, "bfloat16".)
+first 8 tokens for at least 3 of 4 prompts. (Measured: see docs/testing.md, "bfloat16".)
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""README.md's flag tables equal what the binaries' own help says (names, env variables, defaults, meanings):
-docs/flags.py makes them, this test fails when a flag changed and `python docs/flags.py` was not run."""
+"""docs/flags.md's flag tables equal what the binaries' own help says (names, env variables, defaults,
+meanings): docs/flags.py makes them, this test fails when a flag changed and `python docs/flags.py` was not
+run."""
 
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ def _router_bin() -> Path | None:
 
 
 def _assert_same(name: str, expected: str) -> None:
-    actual = flags.readme_table(flags.README.read_text(), name)
+    actual = flags.page_table(flags.PAGE.read_text(), name)
     diff = "".join(
-        difflib.unified_diff(actual.splitlines(True), expected.splitlines(True), "README", "--help")
+        difflib.unified_diff(actual.splitlines(True), expected.splitlines(True), "docs/flags.md", "--help")
     )
     assert actual == expected, (
-        f"README.md's {name} flags differ from --help; run `python docs/flags.py`:\n{diff}"
+        f"docs/flags.md's {name} flags differ from --help; run `python docs/flags.py`:\n{diff}"
     )
 
 
