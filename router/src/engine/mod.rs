@@ -10,10 +10,13 @@
 
 mod event_loop;
 mod lifecycle;
+mod outbox;
 mod outputs;
 mod plan;
+mod queues;
 mod release;
 mod request;
+mod stats;
 mod watch;
 
 use std::{
@@ -31,6 +34,7 @@ use utoipa::ToSchema;
 
 pub use self::event_loop::{EngineConfig, EngineCore};
 pub use self::lifecycle::preemption_config;
+pub use self::stats::EngineStats;
 pub use self::watch::{spawn, EngineTask};
 use crate::{metrics::Metrics, scheduler::RequestId, shard::ShardClient, validation::ValidRequest};
 
@@ -124,6 +128,8 @@ pub struct EngineHandle {
     pub metrics: Arc<Metrics>,
     /// `--max-unread-tokens`: the token events each request's channel holds.
     max_unread_tokens: usize,
+    /// What the engine last published about its state (`EngineCore::stats`).
+    stats: tokio::sync::watch::Receiver<EngineStats>,
 }
 
 impl EngineHandle {
@@ -132,6 +138,7 @@ impl EngineHandle {
         shards: Arc<dyn ShardClient>,
         metrics: Arc<Metrics>,
         max_unread_tokens: usize,
+        stats: tokio::sync::watch::Receiver<EngineStats>,
     ) -> Self {
         Self {
             inbox,
@@ -139,7 +146,13 @@ impl EngineHandle {
             shards,
             metrics,
             max_unread_tokens,
+            stats,
         }
+    }
+
+    /// The engine's state as of its latest step (or idle moment).
+    pub fn stats(&self) -> EngineStats {
+        *self.stats.borrow()
     }
 
     /// Whether the engine task still runs (it owns the inbox's receiving end).

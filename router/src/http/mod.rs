@@ -2,6 +2,7 @@
 //! Handlers turn bodies into `GenerateInput`s, validate, submit to the engine and shape its events;
 //! they never schedule or touch KV.
 
+mod build;
 mod chat;
 mod compat;
 #[cfg(test)]
@@ -28,6 +29,7 @@ use axum::{
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+pub use build::{build, ModelFiles, Server};
 pub use error::ApiError;
 pub use middleware::RequestTag;
 
