@@ -12,6 +12,7 @@ mod guided;
 mod middleware;
 mod native;
 mod openai;
+mod responder;
 pub mod serve;
 mod service;
 #[cfg(test)]

@@ -387,6 +387,51 @@ async fn openai_streams_end_with_usage_and_done() {
 }
 
 #[tokio::test]
+async fn completions_echo_each_prompt_before_its_choices() {
+    let server = server(64, 16).await;
+    let body = json!({"prompt": ["w1 w2", "w5"], "max_tokens": 2, "n": 2, "echo": true});
+    let (status, _, text) = post(&server.app, "/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let response: Value = serde_json::from_str(&text).expect("json");
+    let texts: Vec<&str> = response["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| c["text"].as_str().expect("text"))
+        .collect();
+    assert_eq!(texts, ["w1 w2 w3 w4", "w1 w2 w3 w4", "w5 w6 w7", "w5 w6 w7"]);
+    assert_eq!(response["usage"]["prompt_tokens"], 3);
+    assert_eq!(response["usage"]["completion_tokens"], 8);
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    let (status, _, text) = post(&server.app, "/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("json"))
+        .collect();
+    let opening: Vec<(u64, &str)> = chunks[..4]
+        .iter()
+        .map(|c| {
+            (
+                c["choices"][0]["index"].as_u64().expect("index"),
+                c["choices"][0]["text"].as_str().expect("text"),
+            )
+        })
+        .collect();
+    assert_eq!(opening, [(0, "w1 w2"), (1, "w1 w2"), (2, "w5"), (3, "w5")]);
+    let mut streamed = vec![String::new(); 4];
+    for chunk in &chunks[4..] {
+        let choice = &chunk["choices"][0];
+        streamed[choice["index"].as_u64().expect("index") as usize] += choice["text"].as_str().expect("text");
+    }
+    assert_eq!(streamed, [" w3 w4", " w3 w4", " w6 w7", " w6 w7"]);
+}
+
+#[tokio::test]
 async fn openai_errors_have_openai_shape() {
     let server = server(64, 16).await;
     let (status, _, text) = post(
