@@ -58,6 +58,7 @@ pub struct EngineCore {
     pub(super) metrics: Arc<Metrics>,
     /// The engine's state and running totals, published to `stats_tx` by `publish_stats`.
     pub(super) stats: EngineStats,
+    /// Where the handles read the stats (`EngineHandle::stats`).
     pub(super) stats_tx: watch::Sender<EngineStats>,
 }
 

@@ -1,12 +1,13 @@
-//! The engine: one tokio task (`EngineCore`) owns every mutable serving state — the waiting queue, the
-//! running sequences, the KV pools — and runs the iteration loop; the scheduler decides, the engine
-//! executes. Handlers talk to it through an `EngineHandle`: submit a `ValidRequest`, receive a stream of
-//! `TokenEvent`s.
+//! The engine: one tokio task (`EngineCore`) owns every mutable serving state — the `Queues` of
+//! sequences (waiting, running, swapped), the KV pools, the `Outbox` of work for the shards' next call —
+//! and runs the iteration loop; the scheduler decides, the engine executes. Handlers talk to it through
+//! an `EngineHandle`: submit a `ValidRequest`, receive a stream of `TokenEvent`s, read the `EngineStats`
+//! it publishes.
 //!
 //! By job: `event_loop.rs` (the loop and one step), `plan.rs` (what the scheduler sees, and applying its
 //! plan), `outputs.rs` (applying a forward pass's tokens), `release.rs` (cancellation, expiry, failure,
 //! and releasing a sequence), `lifecycle.rs` (calibration at start, recovery after the shards fail),
-//! `request.rs` (one sequence's state and text).
+//! `request.rs` (one sequence's state and text); the parts: `queues.rs`, `outbox.rs`, `stats.rs`.
 
 mod event_loop;
 mod lifecycle;

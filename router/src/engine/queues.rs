@@ -6,6 +6,7 @@ use std::collections::VecDeque;
 
 use super::{request::Sequence, RequestId};
 
+/// The sequences the engine holds, by where they stand.
 #[derive(Default)]
 pub struct Queues {
     /// Sequences waiting for admission: new requests in arrival order, recompute victims pushed to the

@@ -32,6 +32,7 @@ const MAX_TIMES_OVERTAKEN: u32 = 32;
 
 /// What the router reads from the model's folder.
 pub struct ModelFiles {
+    /// The model's tokenizer (validation, detokenization).
     pub tokenizer: Arc<Tokenizer>,
     /// The file `tokenizer` came from: constrained decoding builds its token trie from it. None: requests
     /// with a grammar are refused (422).
