@@ -337,6 +337,16 @@ pub(super) fn sse_data(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// The chunks of an OpenAI stream, which must end with `[DONE]`.
+fn openai_chunks(text: &str) -> Vec<Value> {
+    let data = sse_data(text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("json"))
+        .collect()
+}
+
 #[tokio::test]
 async fn n_choices_share_one_prompt_prefill() {
     let server = server(64, 16).await;
@@ -367,12 +377,7 @@ async fn openai_streams_end_with_usage_and_done() {
                       "stream_options": {"include_usage": true}});
     let (status, _, text) = post(&server.app, "/v1/chat/completions", body).await;
     assert_eq!(status, StatusCode::OK, "{text}");
-    let data = sse_data(&text);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("json"))
-        .collect();
+    let chunks = openai_chunks(&text);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let content: String = chunks
         .iter()
@@ -407,12 +412,7 @@ async fn completions_echo_each_prompt_before_its_choices() {
     body["stream"] = json!(true);
     let (status, _, text) = post(&server.app, "/v1/completions", body).await;
     assert_eq!(status, StatusCode::OK, "{text}");
-    let data = sse_data(&text);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("json"))
-        .collect();
+    let chunks = openai_chunks(&text);
     let opening: Vec<(u64, &str)> = chunks[..4]
         .iter()
         .map(|c| {
