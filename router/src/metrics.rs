@@ -349,11 +349,6 @@ impl Metrics {
         self.last_progress_ms.set(unix_ms());
     }
 
-    /// Milliseconds since the last successful forward pass (or since `since_ms` when there was none).
-    pub fn ms_since_progress(&self, since_ms: i64) -> i64 {
-        unix_ms() - self.last_progress_ms.get().max(since_ms)
-    }
-
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
         let mut buffer = Vec::new();

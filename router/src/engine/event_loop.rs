@@ -4,16 +4,18 @@
 //! The loop decides nothing itself: every choice of the step is in the scheduler's `StepPlan`.
 
 use std::{
-    collections::{HashSet, VecDeque},
+    collections::HashSet,
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use tokenizers::Tokenizer;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
-use super::{request::Sequence, EngineError, NewRequest, RequestId};
+use super::{
+    outbox::Outbox, plan::PrefixHits, queues::Queues, request::Sequence, EngineError, EngineStats, NewRequest,
+};
 use crate::{
     kv::{KvPool, SwapPool},
     metrics::{Metrics, Outcome},
@@ -48,20 +50,16 @@ pub struct EngineCore {
     pub(super) warmup: pb::WarmupRequest,
     pub(super) prefix_caching: bool,
     pub(super) kv: KvPool,
-    pub(super) waiting: VecDeque<Sequence>,
-    pub(super) running: Vec<Sequence>,
-    /// Sequences preempted by swapping, in the order they were swapped out: admitted, their K/V in the
-    /// host swap pool (`host_blocks`), their state kept by the shards; resumed before new admissions.
-    pub(super) swapped: VecDeque<Sequence>,
+    pub(super) queues: Queues,
     pub(super) swap: SwapPool,
-    /// Block copies decided since the last call, sent with the next one (out before in, both before
-    /// the forward).
-    pub(super) swap_out: Vec<pb::BlockCopy>,
-    pub(super) swap_in: Vec<pb::BlockCopy>,
-    /// Sequences the shards hold state for that are gone since the last call; sent with the next call.
-    pub(super) released_ids: Vec<u64>,
+    /// What the shards must do before the next forward pass: drop released sequences, copy blocks.
+    pub(super) outbox: Outbox,
     pub(super) inbox: mpsc::UnboundedReceiver<NewRequest>,
     pub(super) metrics: Arc<Metrics>,
+    /// The engine's state and running totals, published to `stats_tx` by `publish_stats`.
+    pub(super) stats: EngineStats,
+    /// Where the handles read the stats (`EngineHandle::stats`).
+    pub(super) stats_tx: watch::Sender<EngineStats>,
 }
 
 impl EngineCore {
@@ -74,7 +72,7 @@ impl EngineCore {
         inbox: mpsc::UnboundedReceiver<NewRequest>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        let core = Self {
+        let mut core = Self {
             shards,
             tokenizer,
             eos_token_ids,
@@ -83,18 +81,21 @@ impl EngineCore {
             warmup: config.warmup,
             prefix_caching: config.prefix_caching,
             kv,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            swapped: VecDeque::new(),
+            queues: Queues::default(),
             swap: SwapPool::new(config.preemption.num_host_blocks),
-            swap_out: Vec::new(),
-            swap_in: Vec::new(),
-            released_ids: Vec::new(),
+            outbox: Outbox::default(),
             inbox,
             metrics,
+            stats: EngineStats::default(),
+            stats_tx: watch::Sender::new(EngineStats::default()),
         };
         core.publish_stats();
         core
+    }
+
+    /// The engine's stats as it publishes them (after every step and when idle), for the handles.
+    pub fn stats(&self) -> watch::Receiver<EngineStats> {
+        self.stats_tx.subscribe()
     }
 
     /// Runs until every `EngineHandle` is dropped.
@@ -103,19 +104,19 @@ impl EngineCore {
             self.calibrate().await;
         }
         loop {
-            if self.is_idle() {
+            if self.queues.is_empty() {
                 match self.inbox.recv().await {
-                    Some(new) => self.waiting.push_back(Sequence::new(new)),
+                    Some(new) => self.queues.waiting.push_back(Sequence::new(new)),
                     None => return,
                 }
             }
             while let Ok(new) = self.inbox.try_recv() {
-                self.waiting.push_back(Sequence::new(new));
+                self.queues.waiting.push_back(Sequence::new(new));
             }
             self.drop_cancelled();
             self.expire_waiting();
             self.expire_deadlines();
-            if self.is_idle() {
+            if self.queues.is_empty() {
                 self.publish_stats();
                 continue;
             }
@@ -128,19 +129,16 @@ impl EngineCore {
         }
     }
 
-    fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty() && self.swapped.is_empty()
-    }
-
     async fn step(&mut self) {
         let now = Instant::now();
-        let plan = self.plan(now);
+        let (plan, prefix_hits) = self.plan(now);
         if plan.scheduled.is_empty() {
-            self.idle_step(&plan).await;
+            self.idle_step(&plan, prefix_hits).await;
             return;
         }
         let is_decode = plan.is_decode_only();
-        let request = self.apply_plan(&plan);
+        let chunks = self.apply_plan(&plan, prefix_hits);
+        let request = self.outbox.take_request(chunks);
         let step_span = self.step_span(&plan, is_decode);
         let started = Instant::now();
         let planning = started - now;
@@ -165,6 +163,7 @@ impl EngineCore {
         match result {
             Ok(response) => {
                 self.metrics.mark_progress();
+                self.stats.last_progress = Instant::now();
                 self.metrics
                     .model_forward_seconds
                     .inc_by(response.forward_time_us as f64 / 1e6);
@@ -180,19 +179,19 @@ impl EngineCore {
 
     /// A plan with nothing to compute: a static batch still filling, requests waiting for blocks or for a
     /// prefix another sequence computes, or only preemptions. Applies the preemptions, then waits briefly
-    /// for something to change instead of spinning.
-    async fn idle_step(&mut self, plan: &StepPlan) {
+    /// for something to change instead of spinning. The preemptions' shard work stays in the outbox for
+    /// the next call.
+    async fn idle_step(&mut self, plan: &StepPlan, prefix_hits: PrefixHits) {
         if !plan.preempted.is_empty() {
-            let request = self.apply_plan(plan);
-            self.released_ids = request.released_ids;
-            self.swap_out = request.swap_out;
+            let chunks = self.apply_plan(plan, prefix_hits);
+            debug_assert!(chunks.is_empty(), "the plan computes nothing");
             return;
         }
         let is_static = matches!(self.scheduler.config.mode, BatchingMode::Static { .. });
-        if self.running.is_empty() && self.swapped.is_empty() && !is_static && plan.deferred.is_empty() {
+        if self.queues.running.is_empty() && self.queues.swapped.is_empty() && !is_static && plan.deferred.is_empty() {
             // The whole pool is available and still the first request does not fit: it never will
             // (validation prevents this; the guard keeps such a request from waiting forever).
-            if let Some(seq) = self.waiting.pop_front() {
+            if let Some(seq) = self.queues.waiting.pop_front() {
                 seq.fail(EngineError::Shard("the request does not fit the KV pool".into()));
                 self.metrics.count_request(Outcome::Failed);
             }
@@ -201,7 +200,7 @@ impl EngineCore {
         tokio::select! {
             new = self.inbox.recv() => {
                 if let Some(new) = new {
-                    self.waiting.push_back(Sequence::new(new));
+                    self.queues.waiting.push_back(Sequence::new(new));
                 }
             }
             _ = tokio::time::sleep(Duration::from_millis(5)) => {}
@@ -222,33 +221,40 @@ impl EngineCore {
         );
         if !span.is_disabled() {
             for scheduled in &plan.scheduled {
-                let seq = &self.running[self.running_index(scheduled.id)];
+                let seq = &self.queues.running[self.queues.running_index(scheduled.id)];
                 telemetry::link_request(&span, &seq.span, scheduled.num_scheduled_tokens);
             }
         }
         span
     }
 
-    pub(super) fn running_index(&self, id: RequestId) -> usize {
-        self.running
-            .iter()
-            .position(|seq| seq.id == id)
-            .expect("the plan and the shards only name running sequences")
-    }
-
-    pub(super) fn publish_stats(&self) {
+    /// Takes the state of the pools and queues into the stats, publishes them, and sets the gauges from
+    /// them.
+    pub(super) fn publish_stats(&mut self) {
+        let stats = &mut self.stats;
+        stats.num_usable_blocks = self.kv.num_usable_blocks();
+        stats.num_free_blocks = self.kv.num_free_blocks();
+        stats.num_cached_idle_blocks = self.kv.num_available_blocks() as u32 - self.kv.num_free_blocks();
+        stats.num_prefix_cache_blocks = self.kv.num_cached_blocks() as u32;
+        stats.num_waiting = self.queues.waiting.len();
+        stats.num_running = self.queues.running.len();
+        stats.num_swapped = self.queues.swapped.len();
+        stats.num_usable_host_blocks = self.swap.num_usable_blocks();
+        stats.num_free_host_blocks = self.swap.num_free_blocks();
+        self.stats_tx.send_replace(*stats);
         let metrics = &self.metrics;
-        metrics.kv_blocks_total.set(i64::from(self.kv.num_usable_blocks()));
-        metrics.kv_blocks_free.set(i64::from(self.kv.num_free_blocks()));
-        let num_available = self.kv.num_available_blocks() as i64;
+        metrics.kv_blocks_total.set(i64::from(stats.num_usable_blocks));
+        metrics.kv_blocks_free.set(i64::from(stats.num_free_blocks));
         metrics
             .kv_blocks_cached_idle
-            .set(num_available - i64::from(self.kv.num_free_blocks()));
-        metrics.prefix_cache_blocks.set(self.kv.num_cached_blocks() as i64);
-        metrics.queue_depth.set(self.waiting.len() as i64);
-        metrics.running_sequences.set(self.running.len() as i64);
-        metrics.swapped_sequences.set(self.swapped.len() as i64);
-        metrics.swap_blocks_total.set(i64::from(self.swap.num_usable_blocks()));
-        metrics.swap_blocks_free.set(i64::from(self.swap.num_free_blocks()));
+            .set(i64::from(stats.num_cached_idle_blocks));
+        metrics
+            .prefix_cache_blocks
+            .set(i64::from(stats.num_prefix_cache_blocks));
+        metrics.queue_depth.set(stats.num_waiting as i64);
+        metrics.running_sequences.set(stats.num_running as i64);
+        metrics.swapped_sequences.set(stats.num_swapped as i64);
+        metrics.swap_blocks_total.set(i64::from(stats.num_usable_host_blocks));
+        metrics.swap_blocks_free.set(i64::from(stats.num_free_host_blocks));
     }
 }

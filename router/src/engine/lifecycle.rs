@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::EngineCore;
+use super::{EngineCore, RequestId};
 use crate::{
     kv::{CacheActivity, KvPool, SwapPool},
     scheduler::{PreemptionConfig, PreemptionCosts, PreemptionMode},
@@ -35,24 +35,20 @@ impl EngineCore {
                 break;
             };
             let id = u64::MAX - k as u64;
-            let request = pb::ForwardRequest {
-                released_ids: std::mem::take(&mut self.released_ids),
-                sequences: vec![pb::SequenceChunk {
-                    id,
-                    token_ids: vec![0; num_tokens],
-                    num_computed_tokens: 0,
-                    block_table: blocks.clone(),
-                    sample: true,
-                    params: Some(pb::SamplingParams::default()),
-                    cached_token_ids: Vec::new(),
-                    allowed_token_bitmask: Vec::new(),
-                }],
-                ..Default::default()
-            };
+            let request = self.outbox.take_request(vec![pb::SequenceChunk {
+                id,
+                token_ids: vec![0; num_tokens],
+                num_computed_tokens: 0,
+                block_table: blocks.clone(),
+                sample: true,
+                params: Some(pb::SamplingParams::default()),
+                cached_token_ids: Vec::new(),
+                allowed_token_bitmask: Vec::new(),
+            }]);
             let started = Instant::now();
             let result = self.shards.forward(request, num_tokens == 1).await;
             self.kv.release(&blocks);
-            self.released_ids.push(id);
+            self.outbox.release(RequestId(id));
             match result {
                 Ok(_) => self.scheduler.observe_step(num_tokens, started.elapsed().as_secs_f64()),
                 Err(e) => {
@@ -78,7 +74,7 @@ impl EngineCore {
             }
             match self.shards.warmup(self.warmup).await {
                 Ok(warmup) => {
-                    for seq in self.waiting.iter_mut() {
+                    for seq in self.queues.waiting.iter_mut() {
                         let blocks = seq.reset_kv();
                         debug_assert!(blocks.is_empty(), "waiting sequences hold no blocks");
                     }

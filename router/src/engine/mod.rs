@@ -1,19 +1,23 @@
-//! The engine: one tokio task (`EngineCore`) owns every mutable serving state — the waiting queue, the
-//! running sequences, the KV pools — and runs the iteration loop; the scheduler decides, the engine
-//! executes. Handlers talk to it through an `EngineHandle`: submit a `ValidRequest`, receive a stream of
-//! `TokenEvent`s.
+//! The engine: one tokio task (`EngineCore`) owns every mutable serving state — the `Queues` of
+//! sequences (waiting, running, swapped), the KV pools, the `Outbox` of work for the shards' next call —
+//! and runs the iteration loop; the scheduler decides, the engine executes. Handlers talk to it through
+//! an `EngineHandle`: submit a `ValidRequest`, receive a stream of `TokenEvent`s, read the `EngineStats`
+//! it publishes.
 //!
 //! By job: `event_loop.rs` (the loop and one step), `plan.rs` (what the scheduler sees, and applying its
 //! plan), `outputs.rs` (applying a forward pass's tokens), `release.rs` (cancellation, expiry, failure,
 //! and releasing a sequence), `lifecycle.rs` (calibration at start, recovery after the shards fail),
-//! `request.rs` (one sequence's state and text).
+//! `request.rs` (one sequence's state and text); the parts: `queues.rs`, `outbox.rs`, `stats.rs`.
 
 mod event_loop;
 mod lifecycle;
+mod outbox;
 mod outputs;
 mod plan;
+mod queues;
 mod release;
 mod request;
+mod stats;
 mod watch;
 
 use std::{
@@ -31,6 +35,7 @@ use utoipa::ToSchema;
 
 pub use self::event_loop::{EngineConfig, EngineCore};
 pub use self::lifecycle::preemption_config;
+pub use self::stats::EngineStats;
 pub use self::watch::{spawn, EngineTask};
 use crate::{metrics::Metrics, scheduler::RequestId, shard::ShardClient, validation::ValidRequest};
 
@@ -124,6 +129,8 @@ pub struct EngineHandle {
     pub metrics: Arc<Metrics>,
     /// `--max-unread-tokens`: the token events each request's channel holds.
     max_unread_tokens: usize,
+    /// What the engine last published about its state (`EngineCore::stats`).
+    stats: tokio::sync::watch::Receiver<EngineStats>,
 }
 
 impl EngineHandle {
@@ -132,6 +139,7 @@ impl EngineHandle {
         shards: Arc<dyn ShardClient>,
         metrics: Arc<Metrics>,
         max_unread_tokens: usize,
+        stats: tokio::sync::watch::Receiver<EngineStats>,
     ) -> Self {
         Self {
             inbox,
@@ -139,7 +147,13 @@ impl EngineHandle {
             shards,
             metrics,
             max_unread_tokens,
+            stats,
         }
+    }
+
+    /// The engine's state as of its latest step (or idle moment).
+    pub fn stats(&self) -> EngineStats {
+        *self.stats.borrow()
     }
 
     /// Whether the engine task still runs (it owns the inbox's receiving end).

@@ -14,7 +14,7 @@ impl EngineCore {
     pub(super) fn apply_outputs(&mut self, plan: &StepPlan, response: pb::ForwardResponse) {
         self.advance(plan);
         for generation in &response.generations {
-            let Some(i) = self.running.iter().position(|seq| seq.id.0 == generation.id) else {
+            let Some(i) = self.queues.running.iter().position(|seq| seq.id.0 == generation.id) else {
                 tracing::error!(
                     id = generation.id,
                     "a shard returned a token for a sequence not in the step"
@@ -30,8 +30,8 @@ impl EngineCore {
     fn advance(&mut self, plan: &StepPlan) {
         let mut activity = CacheActivity::default();
         for scheduled in &plan.scheduled {
-            let i = self.running_index(scheduled.id);
-            let seq = &mut self.running[i];
+            let i = self.queues.running_index(scheduled.id);
+            let seq = &mut self.queues.running[i];
             let was_in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens;
             seq.num_computed_tokens += scheduled.num_scheduled_tokens;
             if was_in_prompt {
@@ -51,7 +51,7 @@ impl EngineCore {
 
     /// Appends a sampled token to `running[i]`; a sequence that finished or failed leaves.
     fn append_token(&mut self, i: usize, generation: &pb::Generation) {
-        let seq = &mut self.running[i];
+        let seq = &mut self.queues.running[i];
         let now = Instant::now();
         if seq.first_token_at.is_none() {
             seq.first_token_at = Some(now);
@@ -67,12 +67,12 @@ impl EngineCore {
         self.metrics.generated_tokens.inc();
         match seq.append_token(&self.tokenizer, &self.eos_token_ids, generation) {
             TokenOutcome::Finished => {
-                let mut seq = self.running.remove(i);
+                let mut seq = self.queues.running.remove(i);
                 self.count_success(&seq, now);
                 self.release(&mut seq);
             }
             TokenOutcome::Failed => {
-                let mut seq = self.running.remove(i);
+                let mut seq = self.queues.running.remove(i);
                 self.metrics.count_request(Outcome::Failed);
                 self.release(&mut seq);
             }
@@ -103,11 +103,11 @@ impl EngineCore {
     /// The prompt of `running[i]` is computed: the choices waiting on it join the running set, sharing
     /// its prompt blocks.
     fn start_forks(&mut self, i: usize) {
-        let forks = std::mem::take(&mut self.running[i].forks);
+        let forks = std::mem::take(&mut self.queues.running[i].forks);
         for new in forks {
-            let child = self.running[i].fork(new, self.scheduler.config.block_size);
+            let child = self.queues.running[i].fork(new, self.scheduler.config.block_size);
             self.kv.attach(&child.blocks);
-            self.running.push(child);
+            self.queues.running.push(child);
         }
     }
 }

@@ -1,37 +1,47 @@
 //! Plan application: what the scheduler sees of the engine's sequences, and the execution of its plan.
 //! Victims are suspended as the plan says (swapped out or released for recompute), swapped sequences
-//! resume, waiting ones are admitted with their cached prefix, blocks are allocated, and the step's
-//! forward call is built.
+//! resume, waiting ones are admitted with the cached prefix the scheduler saw, blocks are allocated, and
+//! the sequences' parts of the step's forward call are built.
 
-use std::time::Instant;
+use std::{collections::HashMap, time::Instant};
 
 use super::{EngineCore, RequestId};
 use crate::{
-    kv::{BlockCopy, CacheActivity},
+    kv::{CacheActivity, PrefixMatch},
     scheduler::{Preemption, SeqView, StepPlan, LOOKUP_WINDOW},
     shard::pb,
 };
 
+/// The cached prefix of each waiting request the scheduler's views were built from (those in its look-up
+/// window holding no blocks), by id: admission attaches exactly these, so each request is matched once.
+/// They stay true until the plan is applied: the prefix cache only changes between the views and the
+/// admissions when a victim's blocks enter it, and a step that preempts admits nothing
+/// (`check_preemption_excludes_admission`).
+pub(super) type PrefixHits = HashMap<RequestId, PrefixMatch>;
+
 impl EngineCore {
     /// Asks the scheduler for the step's plan, with views of every sequence as they are `now`; first,
-    /// running sequences let go of the blocks their sliding window has left.
-    pub(super) fn plan(&mut self, now: Instant) -> StepPlan {
+    /// running sequences let go of the blocks their sliding window has left. Returns the plan and the
+    /// prefix hits its views of waiting requests show.
+    pub(super) fn plan(&mut self, now: Instant) -> (StepPlan, PrefixHits) {
         self.release_out_of_window();
         let running: Vec<_> = self
+            .queues
             .running
             .iter()
             .map(|seq| seq.view(self.kv.num_freeable(&seq.blocks), now))
             .collect();
-        let waiting = self.waiting_views(now);
+        let (waiting, prefix_hits) = self.waiting_views(now);
         // A swapped sequence holds no device blocks: all it needs back is allocated when it resumes.
-        let swapped: Vec<_> = self.swapped.iter().map(|seq| seq.view(0, now)).collect();
-        self.scheduler.plan(
+        let swapped: Vec<_> = self.queues.swapped.iter().map(|seq| seq.view(0, now)).collect();
+        let plan = self.scheduler.plan(
             &running,
             &swapped,
             &waiting,
             self.kv.num_available_blocks(),
             self.swap.num_free_blocks() as usize,
-        )
+        );
+        (plan, prefix_hits)
     }
 
     /// With a sliding window on every layer: each running sequence releases the blocks no future query
@@ -44,7 +54,7 @@ impl EngineCore {
         }
         let mut activity = CacheActivity::default();
         let mut num_released = 0;
-        for seq in &mut self.running {
+        for seq in &mut self.queues.running {
             if !seq.forks.is_empty() {
                 continue;
             }
@@ -59,15 +69,17 @@ impl EngineCore {
         }
         self.count_cache_activity(activity);
         self.metrics.window_released_blocks.inc_by(num_released as u64);
+        self.stats.num_window_released_blocks += num_released as u64;
     }
 
     /// Views of the waiting requests for the scheduler. A request in the scheduler's look-up window not yet
     /// holding blocks is seen as it would start: from its cached prefix (the last token always recomputed,
-    /// for logits), deferred if the scheduler says so.
-    fn waiting_views(&mut self, now: Instant) -> Vec<SeqView> {
-        let mut views = Vec::with_capacity(self.waiting.len());
-        for i in 0..self.waiting.len() {
-            let seq = &self.waiting[i];
+    /// for logits), deferred if the scheduler says so; its match is returned with the views.
+    fn waiting_views(&mut self, now: Instant) -> (Vec<SeqView>, PrefixHits) {
+        let mut views = Vec::with_capacity(self.queues.waiting.len());
+        let mut prefix_hits = PrefixHits::new();
+        for i in 0..self.queues.waiting.len() {
+            let seq = &self.queues.waiting[i];
             let mut view = seq.view(0, now);
             if seq.blocks.is_empty() && i < LOOKUP_WINDOW {
                 let hit = self
@@ -77,49 +89,47 @@ impl EngineCore {
                 view.num_blocks = hit.blocks.len();
                 view.num_cached_evictable = self.kv.num_evictable_among(&hit.blocks);
                 let ahead = self
+                    .queues
                     .running
                     .iter()
                     .filter(|r| r.num_computed_tokens < r.num_prompt_tokens)
-                    .chain(self.waiting.iter().take(i))
+                    .chain(self.queues.waiting.iter().take(i))
                     .map(|other| (other.cache_salt(), &other.token_ids[..other.num_prompt_tokens]));
                 view.is_deferred = self
                     .scheduler
                     .is_deferred(seq.cache_salt(), &seq.token_ids, hit.num_tokens, ahead);
+                prefix_hits.insert(seq.id, hit);
             }
             views.push(view);
         }
-        views
+        (views, prefix_hits)
     }
 
-    /// Moves sequences between queues and allocates blocks as the plan says; builds the forward call.
-    pub(super) fn apply_plan(&mut self, plan: &StepPlan) -> pb::ForwardRequest {
+    /// Moves sequences between queues and allocates blocks as the plan says; returns the sequences' parts
+    /// of the forward call (the outbox holds the rest).
+    pub(super) fn apply_plan(&mut self, plan: &StepPlan, mut prefix_hits: PrefixHits) -> Vec<pb::SequenceChunk> {
+        check_preemption_excludes_admission(plan);
         // Victims first: their host blocks are taken before resumed sequences free theirs (no resume
         // shares a step with a preemption anyway), so a copy out never lands in a block still to be read.
         for &id in &plan.preempted {
             self.preempt(id, plan.swapped_out.contains(&id));
         }
         for &id in &plan.resumed {
-            let i = self
-                .swapped
-                .iter()
-                .position(|seq| seq.id == id)
-                .expect("resumed sequences are swapped");
-            let seq = self.swapped.remove(i).expect("index in range");
+            let seq = self.queues.resume(id);
             tracing::debug!(request_id = %seq.tag, sequence_id = %id, "resumed from the swap pool");
-            self.running.push(seq);
         }
         for &id in &plan.admitted {
-            self.admit(id);
+            self.admit(id, prefix_hits.remove(&id));
         }
         for &(id, num_overtakers) in &plan.overtaken {
-            if let Some(seq) = self.waiting.iter_mut().find(|seq| seq.id == id) {
+            if let Some(seq) = self.queues.waiting.iter_mut().find(|seq| seq.id == id) {
                 seq.num_times_overtaken += num_overtakers;
             }
         }
         let mut chunks = Vec::with_capacity(plan.scheduled.len());
         let mut activity = CacheActivity::default();
         for scheduled in &plan.scheduled {
-            let i = self.running_index(scheduled.id);
+            let i = self.queues.running_index(scheduled.id);
             let blocks = self
                 .kv
                 .allocate(scheduled.num_new_blocks, &mut activity)
@@ -127,19 +137,14 @@ impl EngineCore {
             chunks.push(self.chunk(i, blocks, scheduled.num_scheduled_tokens));
         }
         self.count_cache_activity(activity);
-        pb::ForwardRequest {
-            released_ids: std::mem::take(&mut self.released_ids),
-            sequences: chunks,
-            swap_out: std::mem::take(&mut self.swap_out),
-            swap_in: std::mem::take(&mut self.swap_in),
-        }
+        chunks
     }
 
     /// Suspends a running sequence. Swapped, it copies the blocks of its computed tokens to the host and
     /// keeps everything else; else it is released and goes back to the front of the waiting queue.
     fn preempt(&mut self, id: RequestId, is_swapped_out: bool) {
-        let i = self.running_index(id);
-        let mut seq = self.running.remove(i);
+        let i = self.queues.running_index(id);
+        let mut seq = self.queues.running.remove(i);
         let mode = if is_swapped_out {
             Preemption::Swap
         } else {
@@ -150,7 +155,7 @@ impl EngineCore {
         if !is_swapped_out {
             seq.num_lost_tokens = seq.num_computed_tokens;
             self.release(&mut seq);
-            self.waiting.push_front(seq);
+            self.queues.waiting.push_front(seq);
             return;
         }
         // Only the blocks it holds are copied; its null entries (out of the window) stay in its table.
@@ -161,24 +166,20 @@ impl EngineCore {
             .swap_out(&seq.blocks[num_null_blocks..num_blocks])
             .expect("the scheduler swaps only when the host blocks are free");
         self.metrics.swapped_out_blocks.inc_by(copies.len() as u64);
-        self.swap_out.extend(copies.into_iter().map(to_pb));
+        self.outbox.swap_out(copies);
         seq.host_blocks = host_blocks;
         // The device blocks go back like a finished sequence's (cached, or to their other holders); the
         // sequence keeps its computed tokens and its state on the shards.
         self.cache_computed(&seq);
         let blocks = std::mem::replace(&mut seq.blocks, vec![0; num_null_blocks]);
         self.kv.release(&blocks);
-        self.swapped.push_back(seq);
+        self.queues.swapped.push_back(seq);
     }
 
-    /// Moves an admitted request to the running set; a request holding no blocks takes its cached prefix.
-    fn admit(&mut self, id: RequestId) {
-        let i = self
-            .waiting
-            .iter()
-            .position(|seq| seq.id == id)
-            .expect("admitted requests wait");
-        let mut seq = self.waiting.remove(i).expect("index in range");
+    /// Moves an admitted request to the running set; a request holding no blocks takes its cached prefix:
+    /// `hit`, the one the scheduler saw.
+    fn admit(&mut self, id: RequestId, hit: Option<PrefixMatch>) {
+        let mut seq = self.queues.take_waiting(id);
         seq.waiting_permit = None;
         let is_first_admission = seq.admitted_at.is_none();
         if is_first_admission {
@@ -188,10 +189,12 @@ impl EngineCore {
             seq.queue_span = None;
         }
         if seq.blocks.is_empty() {
-            // The same match the scheduler saw: nothing changed the cache since.
-            let hit = self
-                .kv
-                .match_prefix(seq.cache_salt(), &seq.token_ids, seq.token_ids.len() - 1);
+            // Beyond the look-up window the scheduler saw the request without a cached prefix; it is
+            // matched now, once.
+            let hit = hit.unwrap_or_else(|| {
+                self.kv
+                    .match_prefix(seq.cache_salt(), &seq.token_ids, seq.token_ids.len() - 1)
+            });
             self.kv.attach(&hit.blocks);
             seq.blocks = hit.blocks;
             seq.num_computed_tokens = hit.num_tokens;
@@ -207,18 +210,18 @@ impl EngineCore {
                     .inc_by(seq.num_cached_tokens as u64);
             }
         }
-        self.running.push(seq);
+        self.queues.running.push(seq);
     }
 
     /// Gives `running[i]` its new `blocks` (a resumed sequence's K/V come back into the first of them,
     /// before the forward) and returns its share of the forward call.
     fn chunk(&mut self, i: usize, blocks: Vec<u32>, num_scheduled_tokens: usize) -> pb::SequenceChunk {
-        let seq = &mut self.running[i];
+        let seq = &mut self.queues.running[i];
         if !seq.host_blocks.is_empty() {
             let host_blocks = std::mem::take(&mut seq.host_blocks);
             let copies = self.swap.swap_in(&host_blocks, &blocks[..host_blocks.len()]);
             self.metrics.swapped_in_blocks.inc_by(copies.len() as u64);
-            self.swap_in.extend(copies.into_iter().map(to_pb));
+            self.outbox.swap_in(copies);
         }
         seq.blocks.extend(blocks);
         let num_prompt_tokens = seq
@@ -226,6 +229,7 @@ impl EngineCore {
             .saturating_sub(seq.num_computed_tokens)
             .min(num_scheduled_tokens);
         self.metrics.prompt_tokens_computed.inc_by(num_prompt_tokens as u64);
+        self.stats.num_prompt_tokens_computed += num_prompt_tokens as u64;
         seq.chunk(
             num_scheduled_tokens,
             &self.eos_token_ids,
@@ -234,9 +238,55 @@ impl EngineCore {
     }
 }
 
-fn to_pb(copy: BlockCopy) -> pb::BlockCopy {
-    pb::BlockCopy {
-        device_block: copy.device_block,
-        host_block: copy.host_block,
+/// A step that preempts admits and resumes nothing (`scheduler::schedule`). The engine relies on it: the
+/// prefix hits of the scheduler's views would be stale once victims' blocks entered the cache, and a
+/// resumed sequence's copies in could read host blocks a victim's copies out are about to fill.
+fn check_preemption_excludes_admission(plan: &StepPlan) {
+    assert!(
+        plan.preempted.is_empty() || (plan.admitted.is_empty() && plan.resumed.is_empty()),
+        "a step that preempts {:?} also admits {:?} and resumes {:?}",
+        plan.preempted,
+        plan.admitted,
+        plan.resumed
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_may_preempt_or_admit() {
+        let preempting = StepPlan {
+            preempted: vec![RequestId(1)],
+            ..Default::default()
+        };
+        check_preemption_excludes_admission(&preempting);
+        let admitting = StepPlan {
+            admitted: vec![RequestId(2)],
+            resumed: vec![RequestId(3)],
+            ..Default::default()
+        };
+        check_preemption_excludes_admission(&admitting);
+    }
+
+    #[test]
+    #[should_panic(expected = "a step that preempts [RequestId(1)] also admits [RequestId(2)]")]
+    fn a_step_that_preempts_and_admits_is_a_bug() {
+        check_preemption_excludes_admission(&StepPlan {
+            preempted: vec![RequestId(1)],
+            admitted: vec![RequestId(2)],
+            ..Default::default()
+        });
+    }
+
+    #[test]
+    #[should_panic(expected = "and resumes [RequestId(3)]")]
+    fn a_step_that_preempts_and_resumes_is_a_bug() {
+        check_preemption_excludes_admission(&StepPlan {
+            preempted: vec![RequestId(1)],
+            resumed: vec![RequestId(3)],
+            ..Default::default()
+        });
     }
 }

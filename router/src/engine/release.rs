@@ -9,27 +9,11 @@ use super::{request::Sequence, EngineCore, EngineError};
 use crate::{kv::CacheActivity, metrics::Outcome};
 
 impl EngineCore {
-    /// Removes and returns the sequences that match `pred`, wherever they are (waiting, running, swapped).
-    fn take_where(&mut self, pred: impl Fn(&Sequence) -> bool) -> Vec<Sequence> {
-        let mut taken: Vec<Sequence> = self.running.extract_if(.., |seq| pred(seq)).collect();
-        for queue in [&mut self.waiting, &mut self.swapped] {
-            let mut i = 0;
-            while i < queue.len() {
-                if pred(&queue[i]) {
-                    taken.push(queue.remove(i).expect("index in range"));
-                } else {
-                    i += 1;
-                }
-            }
-        }
-        taken
-    }
-
     /// Cancels sequences whose clients have gone or were cut off for reading too slowly, wherever they
     /// are. Choices waiting on a cancelled sequence's prompt are not lost: the first of them takes its
     /// place in the waiting queue.
     pub(super) fn drop_cancelled(&mut self) {
-        for mut seq in self.take_where(Sequence::is_cancelled) {
+        for mut seq in self.queues.take_where(Sequence::is_cancelled) {
             if seq.is_slow_reader {
                 tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "cancelled", reason = "slow_reader", "client fell too far behind the stream (--max-unread-tokens)");
                 self.metrics.slow_readers.inc();
@@ -43,7 +27,7 @@ impl EngineCore {
             if !forks.is_empty() {
                 let mut heir = forks.remove(0);
                 heir.forks = forks;
-                self.waiting.push_front(Sequence::new(heir));
+                self.queues.waiting.push_front(Sequence::new(heir));
             }
         }
     }
@@ -52,7 +36,10 @@ impl EngineCore {
     /// `EngineError::Deadline`, wherever they are, and frees their blocks.
     pub(super) fn expire_deadlines(&mut self) {
         let now = Instant::now();
-        for mut seq in self.take_where(|seq| seq.deadline.is_some_and(|deadline| deadline <= now)) {
+        for mut seq in self
+            .queues
+            .take_where(|seq| seq.deadline.is_some_and(|deadline| deadline <= now))
+        {
             tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "timeout", "ran past its deadline");
             seq.fail(EngineError::Deadline(seq.timeout_s()));
             for _ in 0..=seq.forks.len() {
@@ -66,20 +53,16 @@ impl EngineCore {
     pub(super) fn expire_waiting(&mut self) {
         let Some(limit) = self.max_queue_time else { return };
         let now = Instant::now();
-        let mut i = 0;
-        while i < self.waiting.len() {
-            let seq = &self.waiting[i];
-            if seq.admitted_at.is_none() && now - seq.arrived_at > limit {
-                let mut seq = self.waiting.remove(i).expect("index in range");
-                tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "expired", "waited longer than --max-queue-time");
-                seq.fail(EngineError::QueueTimeout(limit.as_secs()));
-                for _ in 0..=seq.forks.len() {
-                    self.metrics.count_request(Outcome::Failed);
-                }
-                self.release(&mut seq);
-            } else {
-                i += 1;
+        let expired = self
+            .queues
+            .take_waiting_where(|seq| seq.admitted_at.is_none() && now - seq.arrived_at > limit);
+        for mut seq in expired {
+            tracing::info!(request_id = %seq.tag, sequence_id = %seq.id, outcome = "expired", "waited longer than --max-queue-time");
+            seq.fail(EngineError::QueueTimeout(limit.as_secs()));
+            for _ in 0..=seq.forks.len() {
+                self.metrics.count_request(Outcome::Failed);
             }
+            self.release(&mut seq);
         }
     }
 
@@ -88,9 +71,9 @@ impl EngineCore {
     pub(super) async fn fail_all(&mut self, message: String) {
         tracing::error!(%message, "forward pass failed; failing the running requests");
         // Swapped sequences too: the failed call may have carried their copies out.
-        let failed: Vec<_> = std::mem::take(&mut self.running)
+        let failed: Vec<_> = std::mem::take(&mut self.queues.running)
             .into_iter()
-            .chain(std::mem::take(&mut self.swapped))
+            .chain(std::mem::take(&mut self.queues.swapped))
             .collect();
         for mut seq in failed {
             seq.fail(EngineError::Shard(message.clone()));
@@ -99,14 +82,12 @@ impl EngineCore {
             }
             self.release(&mut seq);
         }
-        self.released_ids.clear();
-        self.swap_out.clear();
-        self.swap_in.clear();
+        self.outbox.clear();
         if let Err(e) = self.shards.clear_cache().await {
             // The shards are gone: nobody knows when (or whether) they come back, so the queued requests
             // fail now rather than hang; requests that arrive later wait for the recovery.
             tracing::error!(error = %e, "the shards do not answer; failing the queue, waiting for them");
-            for seq in std::mem::take(&mut self.waiting) {
+            for seq in std::mem::take(&mut self.queues.waiting) {
                 seq.fail(EngineError::Shard(message.clone()));
                 for _ in 0..=seq.forks.len() {
                     self.metrics.count_request(Outcome::Failed);
@@ -121,12 +102,11 @@ impl EngineCore {
     /// on the next call.
     pub(super) fn release(&mut self, seq: &mut Sequence) {
         if seq.is_known_to_shards {
-            self.released_ids.push(seq.id.0);
+            self.outbox.release(seq.id);
         }
         if !seq.host_blocks.is_empty() {
             let host_blocks = std::mem::take(&mut seq.host_blocks);
-            // A copy out not sent yet must not land in blocks someone else may get now.
-            self.swap_out.retain(|copy| !host_blocks.contains(&copy.host_block));
+            self.outbox.cancel_swap_out(&host_blocks);
             self.swap.release(&host_blocks);
         }
         // Prompt and generated tokens stay cached (the next turn of a chat, a resumed preemption hits).

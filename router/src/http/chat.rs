@@ -5,24 +5,19 @@
 
 use axum::{
     extract::{rejection::JsonRejection, State},
-    response::{
-        sse::{Event, KeepAlive, Sse},
-        IntoResponse, Response,
-    },
+    response::Response,
     Extension, Json,
 };
-use futures::StreamExt;
 
 use super::{
-    acquire, collect_all, compat,
+    acquire, compat,
     error::OpenAiError,
     guided,
-    openai::{
-        apply_sampling, check_model, finish_reason, merge, now, sse_error, sse_json, usage, uuid_like, StreamUsage,
-    },
+    openai::{apply_sampling, check_model, finish_reason, uuid_like},
+    responder::{respond, OpenAiFormat, ResponseHead, Submitted},
     submit,
     tools::OfferedTools,
-    ApiError, AppState, RequestTag,
+    ApiError, AppState, Finished, RequestTag,
 };
 use crate::{
     api::{
@@ -250,93 +245,129 @@ pub async fn chat_completions(
     input.grammar = grammar;
     let permit = acquire(&state, n)?;
     let (valid, receivers) = submit(&state, &tag, input, n).await?;
-    let id = format!("chatcmpl-{}", uuid_like());
-    let model = state.served_model_name.clone();
-    let created = now();
-    let wants_logprobs = request.logprobs;
+    let format = Chat {
+        readers: (0..n).map(|_| new_reader()).collect(),
+        new_reader: Box::new(new_reader),
+        wants_logprobs: request.logprobs,
+    };
+    let submitted = Submitted {
+        receivers,
+        n,
+        num_prompt_tokens: valid.prompt_ids.len() as u32,
+        permit,
+    };
+    let stream = request.sampling.stream.unwrap_or(false);
+    Ok(respond(state, format, submitted, stream, request.sampling.stream_options).await?)
+}
 
-    if !request.sampling.stream.unwrap_or(false) {
-        let _permit = permit;
-        let finished = collect_all(receivers).await?;
-        let prompts = [(finished[0].end.num_prompt_tokens, finished[0].end.num_cached_tokens)];
-        let choices = finished
-            .iter()
-            .enumerate()
-            .map(|(index, choice)| {
-                let mut reader = new_reader();
-                let answer = reader.push(&choice.end.generated_text, true);
-                let tool_calls: Vec<ToolCall> = answer.calls.into_iter().map(reply_call).collect();
-                ChatChoice {
-                    index: index as u32,
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: (!answer.content.is_empty() || tool_calls.is_empty()).then_some(answer.content),
-                        reasoning_content: (!answer.reasoning.is_empty()).then_some(answer.reasoning),
-                        tool_calls,
-                    },
-                    logprobs: wants_logprobs.then(|| chat_logprobs(&state, &choice.tokens)),
-                    finish_reason: reader.finish_reason(choice.end.finish_reason),
-                }
-            })
-            .collect();
-        let usage = usage(&prompts, &finished);
-        return Ok(Json(ChatCompletionResponse {
-            id,
-            object: "chat.completion",
-            created,
-            model,
-            choices,
-            usage,
-        })
-        .into_response());
+/// How chat shows its choices: each choice's text read back by an `AnswerReader` into content,
+/// reasoning and tool calls.
+struct Chat {
+    /// The stream's readers, one per choice.
+    readers: Vec<AnswerReader>,
+    /// A reader for a whole answer.
+    new_reader: Box<dyn Fn() -> AnswerReader + Send>,
+    wants_logprobs: bool,
+}
+
+impl OpenAiFormat for Chat {
+    const ID_PREFIX: &'static str = "chatcmpl";
+    type Choice = ChatChoice;
+    type Response = ChatCompletionResponse;
+    type ChunkChoice = ChatChunkChoice;
+    type Chunk = ChatCompletionChunk;
+
+    fn choice(&self, state: &AppState, index: u32, finished: &Finished) -> ChatChoice {
+        let mut reader = (self.new_reader)();
+        let answer = reader.push(&finished.end.generated_text, true);
+        let tool_calls: Vec<ToolCall> = answer.calls.into_iter().map(reply_call).collect();
+        ChatChoice {
+            index,
+            message: AssistantMessage {
+                role: "assistant",
+                content: (!answer.content.is_empty() || tool_calls.is_empty()).then_some(answer.content),
+                reasoning_content: (!answer.reasoning.is_empty()).then_some(answer.reasoning),
+                tool_calls,
+            },
+            logprobs: self.wants_logprobs.then(|| chat_logprobs(state, &finished.tokens)),
+            finish_reason: reader.finish_reason(finished.end.finish_reason),
+        }
     }
 
-    let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
-    let mut stream_usage = StreamUsage::new(valid.prompt_ids.len() as u32, request.sampling.stream_options);
-    let mut events = merge(receivers);
-    let mut readers: Vec<AnswerReader> = (0..n).map(|_| new_reader()).collect();
-    let stream = async_stream::stream! {
-        let _permit = permit;
-        let chunk = |choices: Vec<ChatChunkChoice>, usage: Option<Usage>| ChatCompletionChunk {
-            id: id.clone(), object: "chat.completion.chunk", created, model: model.clone(), choices, usage,
+    fn response(head: ResponseHead, choices: Vec<ChatChoice>, usage: Usage) -> ChatCompletionResponse {
+        ChatCompletionResponse {
+            id: head.id,
+            object: "chat.completion",
+            created: head.created,
+            model: head.model,
+            choices,
+            usage,
+        }
+    }
+
+    /// Each choice's role.
+    fn opening(&self) -> Vec<ChatChunkChoice> {
+        (0..self.readers.len() as u32)
+            .map(|index| {
+                let delta = ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    ..ChatDelta::default()
+                };
+                ChatChunkChoice {
+                    index,
+                    delta,
+                    logprobs: None,
+                    finish_reason: None,
+                }
+            })
+            .collect()
+    }
+
+    fn chunk_choice(&mut self, state: &AppState, index: u32, event: &TokenEvent) -> ChatChunkChoice {
+        let reader = &mut self.readers[index as usize];
+        let logprobs = self
+            .wants_logprobs
+            .then(|| chat_logprobs(state, std::slice::from_ref(event)));
+        let first_call = reader.num_calls;
+        let piece = reader.push(&event.text, event.end.is_some());
+        let finish = event.end.as_ref().map(|end| reader.finish_reason(end.finish_reason));
+        let has_more = !piece.reasoning.is_empty() || !piece.calls.is_empty();
+        let delta = ChatDelta {
+            role: None,
+            content: (!piece.content.is_empty() || !has_more).then_some(piece.content),
+            reasoning_content: (!piece.reasoning.is_empty()).then_some(piece.reasoning),
+            tool_calls: (!piece.calls.is_empty()).then(|| {
+                let calls = piece.calls.into_iter().zip(first_call..);
+                calls
+                    .map(|(call, index)| {
+                        let call = reply_call(call);
+                        ToolCallDelta {
+                            index,
+                            id: call.id,
+                            kind: "function",
+                            function: call.function,
+                        }
+                    })
+                    .collect()
+            }),
         };
-        for index in 0..n {
-            let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..ChatDelta::default() };
-            yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs: None, finish_reason: None }], None));
+        ChatChunkChoice {
+            index,
+            delta,
+            logprobs,
+            finish_reason: finish,
         }
-        while let Some((index, event)) = events.next().await {
-            match event {
-                Ok(event) => {
-                    let reader = &mut readers[index as usize];
-                    let logprobs = wants_logprobs.then(|| chat_logprobs(&state, std::slice::from_ref(&event)));
-                    let first_call = reader.num_calls;
-                    let piece = reader.push(&event.text, event.end.is_some());
-                    let finish = event.end.as_ref().map(|end| reader.finish_reason(end.finish_reason));
-                    let usage = stream_usage.add(&event, index == 0);
-                    let has_more = !piece.reasoning.is_empty() || !piece.calls.is_empty();
-                    let delta = ChatDelta {
-                        role: None,
-                        content: (!piece.content.is_empty() || !has_more).then_some(piece.content),
-                        reasoning_content: (!piece.reasoning.is_empty()).then_some(piece.reasoning),
-                        tool_calls: (!piece.calls.is_empty()).then(|| {
-                            piece.calls.into_iter().zip(first_call..).map(|(call, index)| {
-                                let call = reply_call(call);
-                                ToolCallDelta { index, id: call.id, kind: "function", function: call.function }
-                            }).collect()
-                        }),
-                    };
-                    yield sse_json(chunk(vec![ChatChunkChoice { index, delta, logprobs, finish_reason: finish }], usage));
-                }
-                Err(error) => {
-                    yield sse_error(error);
-                    return;
-                }
-            }
+    }
+
+    fn chunk(head: &ResponseHead, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: head.id.clone(),
+            object: "chat.completion.chunk",
+            created: head.created,
+            model: head.model.clone(),
+            choices,
+            usage,
         }
-        if include_usage {
-            yield sse_json(chunk(Vec::new(), Some(stream_usage.total())));
-        }
-        yield Ok(Event::default().data("[DONE]"));
-    };
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+    }
 }

@@ -2,6 +2,7 @@
 //! Handlers turn bodies into `GenerateInput`s, validate, submit to the engine and shape its events;
 //! they never schedule or touch KV.
 
+mod build;
 mod chat;
 mod compat;
 #[cfg(test)]
@@ -11,6 +12,7 @@ mod guided;
 mod middleware;
 mod native;
 mod openai;
+mod responder;
 pub mod serve;
 mod service;
 #[cfg(test)]
@@ -28,6 +30,7 @@ use axum::{
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+pub use build::{build, ModelFiles, Server};
 pub use error::ApiError;
 pub use middleware::RequestTag;
 

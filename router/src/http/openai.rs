@@ -1,36 +1,32 @@
-//! The OpenAI-compatible API: `/v1/completions`, `/v1/models`, and what `/v1/chat/completions` (`chat.rs`)
-//! shares with them.
+//! The OpenAI-compatible API: `/v1/completions`, `/v1/models`, and the request fields `/v1/chat/completions`
+//! (`chat.rs`) shares with them; both answer through `responder.rs`.
 //! Requests become the shared `GenerateInput`, so validation, sampling, stop handling and text are
 //! exactly the native API's.
 
-use std::{
-    convert::Infallible,
-    time::{SystemTime, UNIX_EPOCH},
-};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::{
     extract::{rejection::JsonRejection, Path, State},
-    response::{
-        sse::{Event, KeepAlive, Sse},
-        IntoResponse, Response,
-    },
+    response::Response,
     Extension, Json,
 };
-use futures::{stream::SelectAll, StreamExt};
-use tokio_stream::wrappers::ReceiverStream;
 
 use super::{
-    acquire, collect_all, compat, error::OpenAiError, guided, submit, ApiError, AppState, Finished, RequestTag,
+    acquire, compat,
+    error::OpenAiError,
+    guided,
+    responder::{respond, OpenAiFormat, ResponseHead, Submitted},
+    submit, ApiError, AppState, Finished, RequestTag,
 };
 use crate::{
     api::{
         openai::{
             CompletionChoice, CompletionLogprobs, CompletionPrompt, CompletionRequest, CompletionResponse,
-            ErrorResponse, Model, ModelList, PromptTokensDetails, SamplingFields, StreamOptions, Usage,
+            ErrorResponse, Model, ModelList, SamplingFields, Usage,
         },
         FinishReason,
     },
-    engine::{EngineError, EventReceiver, TokenEvent},
+    engine::TokenEvent,
     validation::{GenerateInput, Prompt, ValidationError},
 };
 
@@ -99,94 +95,6 @@ pub(super) fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields)
     Ok(n)
 }
 
-pub(super) fn usage(prompts: &[(u32, u32)], choices: &[Finished]) -> Usage {
-    let prompt_tokens: u32 = prompts.iter().map(|(tokens, _)| tokens).sum();
-    let completion_tokens = choices.iter().map(|c| c.end.num_generated_tokens).sum();
-    Usage {
-        prompt_tokens,
-        completion_tokens,
-        total_tokens: prompt_tokens + completion_tokens,
-        prompt_tokens_details: PromptTokensDetails {
-            cached_tokens: prompts.iter().map(|(_, cached)| cached).sum(),
-        },
-    }
-}
-
-/// Streams several choices as one: each event tagged with its choice index.
-type ChoiceStream = SelectAll<futures::stream::BoxStream<'static, (u32, Result<TokenEvent, EngineError>)>>;
-
-pub(super) fn merge(receivers: Vec<EventReceiver>) -> ChoiceStream {
-    futures::stream::select_all(
-        receivers
-            .into_iter()
-            .enumerate()
-            .map(|(index, rx)| ReceiverStream::new(rx).map(move |event| (index as u32, event)).boxed()),
-    )
-}
-
-/// Tracks usage over a stream: prompt tokens once per prompt, completion tokens per choice.
-pub(super) struct StreamUsage {
-    prompt_tokens: u32,
-    cached_tokens: u32,
-    /// Tokens of the choices that ended, as the engine counted them.
-    completion_tokens: u32,
-    /// Token events streamed so far, over all choices.
-    streamed_tokens: u32,
-    /// `stream_options.continuous_usage_stats`: usage on every chunk.
-    is_continuous: bool,
-}
-
-impl StreamUsage {
-    pub(super) fn new(prompt_tokens: u32, options: Option<StreamOptions>) -> Self {
-        Self {
-            prompt_tokens,
-            cached_tokens: 0,
-            completion_tokens: 0,
-            streamed_tokens: 0,
-            is_continuous: options.is_some_and(|o| o.continuous_usage_stats),
-        }
-    }
-
-    /// Counts one token event; with continuous usage stats, returns the usage so far for its chunk.
-    pub(super) fn add(&mut self, event: &TokenEvent, is_first_choice_of_prompt: bool) -> Option<Usage> {
-        self.streamed_tokens += 1;
-        if let Some(end) = &event.end {
-            if is_first_choice_of_prompt {
-                self.cached_tokens += end.num_cached_tokens;
-            }
-            self.completion_tokens += end.num_generated_tokens;
-        }
-        self.is_continuous.then(|| self.usage(self.streamed_tokens))
-    }
-
-    /// The final usage, once every choice ended.
-    pub(super) fn total(&self) -> Usage {
-        self.usage(self.completion_tokens)
-    }
-
-    fn usage(&self, completion_tokens: u32) -> Usage {
-        Usage {
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens,
-            total_tokens: self.prompt_tokens + completion_tokens,
-            prompt_tokens_details: PromptTokensDetails {
-                cached_tokens: self.cached_tokens,
-            },
-        }
-    }
-}
-
-pub(super) fn sse_json(value: impl serde::Serialize) -> Result<Event, Infallible> {
-    Ok(Event::default().json_data(value).expect("responses serialize"))
-}
-
-pub(super) fn sse_error(error: EngineError) -> Result<Event, Infallible> {
-    Ok(Event::default()
-        .event("error")
-        .json_data(ApiError::from(error).openai_body())
-        .expect("errors serialize"))
-}
-
 /// List the served model.
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
     responses((status = 200, body = ModelList), (status = 401, body = ErrorResponse)))]
@@ -231,21 +139,7 @@ pub async fn completions(
     check_model(&state, &request.model)?;
     compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
     tracing::debug!(user = ?request.sampling.user, "completion request");
-    let prompts: Vec<Prompt> = match request.prompt {
-        CompletionPrompt::Text(text) => vec![Prompt::Text {
-            text,
-            add_special_tokens: true,
-        }],
-        CompletionPrompt::Texts(texts) => texts
-            .into_iter()
-            .map(|text| Prompt::Text {
-                text,
-                add_special_tokens: true,
-            })
-            .collect(),
-        CompletionPrompt::Tokens(ids) => vec![Prompt::Tokens(ids)],
-        CompletionPrompt::TokenLists(lists) => lists.into_iter().map(Prompt::Tokens).collect(),
-    };
+    let prompts = prompts(request.prompt);
     if prompts.is_empty() {
         return Err(ValidationError::EmptyInput("prompt").into());
     }
@@ -285,11 +179,53 @@ pub async fn completions(
         echoes.push(echo);
         receivers.extend(rxs);
     }
-    let id = format!("cmpl-{}", uuid_like());
-    let model = state.served_model_name.clone();
-    let created = now();
-    let wants_logprobs = request.logprobs.is_some();
-    let completion_logprobs = |state: &AppState, tokens: &[TokenEvent], offset: usize| -> CompletionLogprobs {
+    let format = Completions {
+        echoes,
+        is_echo: request.echo,
+        n,
+        wants_logprobs: request.logprobs.is_some(),
+    };
+    let submitted = Submitted {
+        receivers,
+        n,
+        num_prompt_tokens,
+        permit,
+    };
+    let stream = request.sampling.stream.unwrap_or(false);
+    Ok(respond(state, format, submitted, stream, request.sampling.stream_options).await?)
+}
+
+/// The prompts of a completion request: one, or a batch.
+fn prompts(prompt: CompletionPrompt) -> Vec<Prompt> {
+    let text = |text| Prompt::Text {
+        text,
+        add_special_tokens: true,
+    };
+    match prompt {
+        CompletionPrompt::Text(one) => vec![text(one)],
+        CompletionPrompt::Texts(texts) => texts.into_iter().map(text).collect(),
+        CompletionPrompt::Tokens(ids) => vec![Prompt::Tokens(ids)],
+        CompletionPrompt::TokenLists(lists) => lists.into_iter().map(Prompt::Tokens).collect(),
+    }
+}
+
+/// How completions show their choices: text (after the echoed prompt, with `echo`) and its logprobs.
+struct Completions {
+    /// Per prompt: its text with `echo`, else empty.
+    echoes: Vec<String>,
+    /// `echo`: the stream opens with the prompts.
+    is_echo: bool,
+    /// Choices per prompt.
+    n: u32,
+    wants_logprobs: bool,
+}
+
+impl Completions {
+    /// The logprobs of `tokens`, whose text starts at byte `offset` of the choice's text.
+    fn logprobs(&self, state: &AppState, tokens: &[TokenEvent], offset: usize) -> Option<CompletionLogprobs> {
+        if !self.wants_logprobs {
+            return None;
+        }
         let mut logprobs = CompletionLogprobs::default();
         let mut text_offset = offset;
         for event in tokens {
@@ -306,77 +242,69 @@ pub async fn completions(
                     .collect(),
             ));
         }
-        logprobs
-    };
+        Some(logprobs)
+    }
+}
 
-    if !request.sampling.stream.unwrap_or(false) {
-        let _permit = permit;
-        let finished = collect_all(receivers).await?;
-        let prompts: Vec<(u32, u32)> = finished
-            .chunks(n as usize)
-            .map(|group| (group[0].end.num_prompt_tokens, group[0].end.num_cached_tokens))
-            .collect();
-        let choices = finished
-            .iter()
-            .enumerate()
-            .map(|(index, choice)| {
-                let echo = &echoes[index / n as usize];
-                CompletionChoice {
-                    index: index as u32,
-                    text: format!("{echo}{}", choice.end.generated_text),
-                    logprobs: wants_logprobs.then(|| completion_logprobs(&state, &choice.tokens, echo.len())),
-                    finish_reason: Some(finish_reason(choice.end.finish_reason)),
-                }
-            })
-            .collect();
-        let usage = usage(&prompts, &finished);
-        return Ok(Json(CompletionResponse {
-            id,
-            object: "text_completion",
-            created,
-            model,
-            choices,
-            usage: Some(usage),
-        })
-        .into_response());
+impl OpenAiFormat for Completions {
+    const ID_PREFIX: &'static str = "cmpl";
+    type Choice = CompletionChoice;
+    type Response = CompletionResponse;
+    type ChunkChoice = CompletionChoice;
+    type Chunk = CompletionResponse;
+
+    fn choice(&self, state: &AppState, index: u32, finished: &Finished) -> CompletionChoice {
+        let echo = &self.echoes[(index / self.n) as usize];
+        CompletionChoice {
+            index,
+            text: format!("{echo}{}", finished.end.generated_text),
+            logprobs: self.logprobs(state, &finished.tokens, echo.len()),
+            finish_reason: Some(finish_reason(finished.end.finish_reason)),
+        }
     }
 
-    let include_usage = request.sampling.stream_options.is_some_and(|o| o.include_usage);
-    let mut stream_usage = StreamUsage::new(num_prompt_tokens, request.sampling.stream_options);
-    let mut events = merge(receivers);
-    let stream = async_stream::stream! {
-        let _permit = permit;
-        let chunk = |choices: Vec<CompletionChoice>, usage: Option<Usage>| CompletionResponse {
-            id: id.clone(), object: "text_completion", created, model: model.clone(), choices, usage,
-        };
-        if request.echo {
-            for (prompt_index, echo) in echoes.iter().enumerate() {
-                for k in 0..n {
-                    let index = prompt_index as u32 * n + k;
-                    yield sse_json(chunk(vec![CompletionChoice { index, text: echo.clone(), logprobs: None, finish_reason: None }], None));
-                }
-            }
+    fn response(head: ResponseHead, choices: Vec<CompletionChoice>, usage: Usage) -> CompletionResponse {
+        Self::chunk(&head, choices, Some(usage))
+    }
+
+    /// With `echo`, each choice's prompt.
+    fn opening(&self) -> Vec<CompletionChoice> {
+        if !self.is_echo {
+            return Vec::new();
         }
-        while let Some((index, event)) = events.next().await {
-            match event {
-                Ok(event) => {
-                    let logprobs = wants_logprobs.then(|| completion_logprobs(&state, std::slice::from_ref(&event), 0));
-                    let finish = event.end.as_ref().map(|end| finish_reason(end.finish_reason));
-                    let usage = stream_usage.add(&event, index % n == 0);
-                    yield sse_json(chunk(vec![CompletionChoice { index, text: event.text.clone(), logprobs, finish_reason: finish }], usage));
-                }
-                Err(error) => {
-                    yield sse_error(error);
-                    return;
-                }
-            }
+        self.echoes
+            .iter()
+            .enumerate()
+            .flat_map(|(prompt_index, echo)| {
+                (0..self.n).map(move |k| CompletionChoice {
+                    index: prompt_index as u32 * self.n + k,
+                    text: echo.clone(),
+                    logprobs: None,
+                    finish_reason: None,
+                })
+            })
+            .collect()
+    }
+
+    fn chunk_choice(&mut self, state: &AppState, index: u32, event: &TokenEvent) -> CompletionChoice {
+        CompletionChoice {
+            index,
+            text: event.text.clone(),
+            logprobs: self.logprobs(state, std::slice::from_ref(event), 0),
+            finish_reason: event.end.as_ref().map(|end| finish_reason(end.finish_reason)),
         }
-        if include_usage {
-            yield sse_json(chunk(Vec::new(), Some(stream_usage.total())));
+    }
+
+    fn chunk(head: &ResponseHead, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> CompletionResponse {
+        CompletionResponse {
+            id: head.id.clone(),
+            object: "text_completion",
+            created: head.created,
+            model: head.model.clone(),
+            choices,
+            usage,
         }
-        yield Ok(Event::default().data("[DONE]"));
-    };
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()).into_response())
+    }
 }
 
 /// A random 24-hex-digit id for responses.

@@ -37,7 +37,7 @@ fn not_ready(reason: String) -> Response {
 }
 
 /// How long the engine may go without a successful forward pass while it has work, and still be ready.
-const MAX_STALL_MS: i64 = 60_000;
+const MAX_STALL: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Readiness: the engine runs, the shards answer and, whenever requests wait or run, the engine made
 /// forward progress within the last minute. 503 with the reason otherwise.
@@ -49,13 +49,12 @@ pub async fn ready(State(state): State<AppState>) -> Response {
     if let Err(e) = state.engine.health().await {
         return not_ready(e.to_string());
     }
-    let metrics = &state.engine.metrics;
-    let has_work = metrics.queue_depth.get() + metrics.running_sequences.get() > 0;
-    let stalled_ms = metrics.ms_since_progress(state.started_at as i64 * 1000);
-    if has_work && stalled_ms > MAX_STALL_MS {
+    let stats = state.engine.stats();
+    let stalled = stats.since_progress();
+    if stats.has_work() && stalled > MAX_STALL {
         return not_ready(format!(
             "no forward progress for {} s while requests wait",
-            stalled_ms / 1000
+            stalled.as_secs()
         ));
     }
     Json(serde_json::json!({"status": "ready"})).into_response()
@@ -71,13 +70,10 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-/// The model, the limits, and the KV pool as the allocator sees it now.
+/// The model, the limits, and the KV pool as the engine last published it (after its latest step).
 #[utoipa::path(get, path = "/info", tag = "service", responses((status = 200, body = Info)))]
 pub async fn info(State(state): State<AppState>) -> Json<Info> {
-    let metrics = &state.engine.metrics;
-    let total_blocks = metrics.kv_blocks_total.get() as u32;
-    let free_blocks = metrics.kv_blocks_free.get() as u32;
-    let cached_blocks = metrics.kv_blocks_cached_idle.get() as u32;
+    let stats = state.engine.stats();
     Json(Info {
         model_id: state.model_id.clone(),
         served_model_name: state.served_model_name.clone(),
@@ -95,16 +91,16 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
         max_stop_sequences: state.limits.max_stop_sequences,
         kv: KvInfo {
             block_size: state.shard_info.block_size,
-            total_blocks,
-            free_blocks,
-            cached_blocks,
-            used_blocks: total_blocks - free_blocks - cached_blocks,
-            prefix_cache_blocks: metrics.prefix_cache_blocks.get() as u32,
-            waiting_requests: metrics.queue_depth.get() as u32,
-            running_requests: metrics.running_sequences.get() as u32,
-            prompt_tokens_computed: metrics.prompt_tokens_computed.get(),
+            total_blocks: stats.num_usable_blocks,
+            free_blocks: stats.num_free_blocks,
+            cached_blocks: stats.num_cached_idle_blocks,
+            used_blocks: stats.num_used_blocks(),
+            prefix_cache_blocks: stats.num_prefix_cache_blocks,
+            waiting_requests: stats.num_waiting as u32,
+            running_requests: stats.num_running as u32,
+            prompt_tokens_computed: stats.num_prompt_tokens_computed,
             kv_window: kv_window(&state.shard_info.sliding_windows) as u32,
-            window_released_blocks: metrics.window_released_blocks.get(),
+            window_released_blocks: stats.num_window_released_blocks,
         },
         memory: state.memory.clone(),
         version: env!("CARGO_PKG_VERSION"),

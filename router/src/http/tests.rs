@@ -1,10 +1,6 @@
 //! HTTP tests: the real app, engine, scheduler and allocator against the fake shard, via `oneshot`.
 
-use std::{
-    collections::HashMap,
-    sync::{atomic::AtomicBool, Arc},
-    time::Duration,
-};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use axum::{
     body::Body,
@@ -14,23 +10,16 @@ use axum::{
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokenizers::{models::wordlevel::WordLevel, pre_tokenizers::whitespace::Whitespace, AddedToken, Tokenizer};
-use tokio::sync::{mpsc, Semaphore};
 use tower::ServiceExt;
 
-use super::{app, AppState};
+use super::{app, build, AppState, ModelFiles, Server};
 use crate::{
-    api::MemoryInfo,
     chat_template::ChatTemplate,
-    config::{BatchConfig, LimitsConfig, Scheduling},
-    engine::{EngineConfig, EngineCore, EngineHandle, EngineTask},
-    kv::KvPool,
-    metrics::{Metrics, Outcome},
-    scheduler::{BatchingMode, KvAdmission, PreemptionConfig, PreemptionCosts, PreemptionMode, SchedulerConfig},
-    shard::{
-        fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
-        ShardClient,
-    },
-    validation::Validator,
+    config::{BatchConfig, Config, ConnectionConfig, LimitsConfig, Scheduling},
+    engine::EngineTask,
+    metrics::Outcome,
+    scheduler::{BatchingMode, KvAdmission, PreemptionMode},
+    shard::fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
 };
 
 /// Words `w0`..`w30` and the special `<eos>` (id 31), split on whitespace.
@@ -64,104 +53,79 @@ pub(super) async fn server(num_blocks: u32, max_concurrent_requests: u32) -> Tes
 }
 
 async fn server_with_mode(num_blocks: u32, max_concurrent_requests: u32, mode: BatchingMode) -> TestServer {
-    let preemption = PreemptionConfig {
-        mode: PreemptionMode::Recompute,
-        num_host_blocks: 0,
-        costs: PreemptionCosts::default(),
-    };
     server_with(
         num_blocks,
         max_concurrent_requests,
         mode,
-        preemption,
+        (PreemptionMode::Recompute, 0),
         KvAdmission::Incremental,
         0,
     )
     .await
 }
 
-/// A test server; `window` > 0: the fake model attends through a sliding window of that many tokens on
-/// every layer.
+/// A test server, wired by `build` as the binary is. `preemption`: the mode and the fake shard's swap
+/// pool (in host blocks); `window` > 0: the fake model attends through a sliding window of that many
+/// tokens on every layer.
 async fn server_with(
     num_blocks: u32,
     max_concurrent_requests: u32,
     mode: BatchingMode,
-    preemption: PreemptionConfig,
+    (preemption_mode, num_host_blocks): (PreemptionMode, u32),
     kv_admission: KvAdmission,
     window: u32,
 ) -> TestServer {
     let shard = FakeShard::new(num_blocks, 4)
-        .with_swap_pool(preemption.num_host_blocks)
+        .with_swap_pool(num_host_blocks)
         .with_window(window);
-    let shards: Arc<dyn ShardClient> = Arc::new(shard.clone());
-    let shard_info = shards.info().await.expect("fake info");
-    let limits = LimitsConfig {
-        max_input_tokens: 64,
-        max_total_tokens: 128,
-        max_stop_sequences: 4,
-        max_concurrent_requests,
-        max_waiting_requests: max_concurrent_requests,
-        request_timeout: None,
-        max_unread_tokens: MAX_UNREAD_TOKENS,
+    let (scheduling, static_batch_wait_ms) = match mode {
+        BatchingMode::Continuous => (Scheduling::Continuous, 0),
+        BatchingMode::Static { max_wait_ms } => (Scheduling::Static, max_wait_ms),
     };
-    let batch = BatchConfig {
-        max_batch_tokens: 16,
-        max_batch_size: 8,
-        max_batch_total_tokens: 0,
-        scheduling: Scheduling::Continuous,
-        static_batch_wait_ms: 0,
-        target_itl_ms: None,
-        max_queue_time: None,
-        prefix_caching: true,
-        preemption_mode: preemption.mode,
-        swap_space_bytes: Some(0),
-        kv_admission,
-    };
-    let scheduler = EngineConfig {
-        scheduler: SchedulerConfig {
-            max_batch_tokens: 16,
-            max_batch_size: 8,
-            block_size: 4,
-            watermark_blocks: 1,
-            mode,
-            kv_admission,
-            max_times_overtaken: 8,
-            kv_window: crate::kv::kv_window(&shard_info.sliding_windows),
+    let config = Config {
+        model_id: "fake".into(),
+        served_model_name: "fake".into(),
+        addr: ([127, 0, 0, 1], 0).into(),
+        shard_sockets: Vec::new(),
+        shard_connect_timeout_s: 0,
+        shutdown_timeout: Duration::ZERO,
+        connections: ConnectionConfig {
+            header_read_timeout: None,
+            max_connections: 64,
         },
-        target_itl_ms: None,
-        max_queue_time: None,
-        warmup: crate::shard::pb::WarmupRequest::default(),
-        prefix_caching: true,
-        preemption,
-    };
-    let tokenizer = Arc::new(tokenizer());
-    let metrics = Arc::new(Metrics::new());
-    let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
-    let core = EngineCore::new(
-        shards.clone(),
-        tokenizer.clone(),
-        [FAKE_EOS].into(),
-        scheduler,
-        KvPool::new(num_blocks, 4, true),
-        inbox_rx,
-        metrics.clone(),
-    );
-    let engine = crate::engine::spawn(core);
-    let state = AppState {
-        engine: EngineHandle::new(inbox_tx, shards, metrics, limits.max_unread_tokens),
-        validator: Validator::new(
-            tokenizer,
-            limits.clone(),
-            FAKE_VOCAB_SIZE,
-            ((num_blocks - 2) * 4) as usize,
-        ),
-        admission: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
-        waiting: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
-        draining: Arc::new(AtomicBool::new(false)),
+        forward_timeout: None,
         api_key: None,
         max_body_bytes: 4096,
         cors_allow_origins: Vec::new(),
+        tool_call_parser: None,
+        reasoning_parser: None,
         log_prompts: false,
+        limits: LimitsConfig {
+            max_input_tokens: 64,
+            max_total_tokens: 128,
+            max_stop_sequences: 4,
+            max_concurrent_requests,
+            max_waiting_requests: max_concurrent_requests,
+            request_timeout: None,
+            max_unread_tokens: MAX_UNREAD_TOKENS,
+        },
+        batch: BatchConfig {
+            max_batch_tokens: 16,
+            max_batch_size: 8,
+            max_batch_total_tokens: 0,
+            scheduling,
+            static_batch_wait_ms,
+            target_itl_ms: None,
+            max_queue_time: None,
+            prefix_caching: true,
+            preemption_mode,
+            swap_space_bytes: Some(0),
+            kv_admission,
+        },
+    };
+    let model = ModelFiles {
+        tokenizer: Arc::new(tokenizer()),
+        tokenizer_path: None,
         chat_template: Some(Arc::new(
             ChatTemplate::new(
                 "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}".into(),
@@ -170,18 +134,12 @@ async fn server_with(
             )
             .expect("valid template"),
         )),
-        tool_call_format: crate::text::tool_calls::ToolCallFormat::Hermes,
-        reasoning_format: None,
-        model_id: "fake".into(),
-        served_model_name: "fake".into(),
-        started_at: 0,
-        shard_info,
-        memory: MemoryInfo::default(),
-        limits,
-        batch,
     };
+    let Server { app, state, engine } = build(&config, Arc::new(shard.clone()), model)
+        .await
+        .expect("the fake shard wires");
     TestServer {
-        app: app(state.clone()),
+        app,
         state,
         shard,
         engine,
@@ -379,6 +337,16 @@ pub(super) fn sse_data(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// The chunks of an OpenAI stream, which must end with `[DONE]`.
+fn openai_chunks(text: &str) -> Vec<Value> {
+    let data = sse_data(text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("json"))
+        .collect()
+}
+
 #[tokio::test]
 async fn n_choices_share_one_prompt_prefill() {
     let server = server(64, 16).await;
@@ -409,12 +377,7 @@ async fn openai_streams_end_with_usage_and_done() {
                       "stream_options": {"include_usage": true}});
     let (status, _, text) = post(&server.app, "/v1/chat/completions", body).await;
     assert_eq!(status, StatusCode::OK, "{text}");
-    let data = sse_data(&text);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("json"))
-        .collect();
+    let chunks = openai_chunks(&text);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let content: String = chunks
         .iter()
@@ -426,6 +389,46 @@ async fn openai_streams_end_with_usage_and_done() {
     let usage = &chunks.last().expect("usage chunk")["usage"];
     assert_eq!(usage["completion_tokens"], 2);
     assert_eq!(usage["prompt_tokens"], 2);
+}
+
+#[tokio::test]
+async fn completions_echo_each_prompt_before_its_choices() {
+    let server = server(64, 16).await;
+    let body = json!({"prompt": ["w1 w2", "w5"], "max_tokens": 2, "n": 2, "echo": true});
+    let (status, _, text) = post(&server.app, "/v1/completions", body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let response: Value = serde_json::from_str(&text).expect("json");
+    let texts: Vec<&str> = response["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| c["text"].as_str().expect("text"))
+        .collect();
+    assert_eq!(texts, ["w1 w2 w3 w4", "w1 w2 w3 w4", "w5 w6 w7", "w5 w6 w7"]);
+    assert_eq!(response["usage"]["prompt_tokens"], 3);
+    assert_eq!(response["usage"]["completion_tokens"], 8);
+
+    let mut body = body;
+    body["stream"] = json!(true);
+    let (status, _, text) = post(&server.app, "/v1/completions", body).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let chunks = openai_chunks(&text);
+    let opening: Vec<(u64, &str)> = chunks[..4]
+        .iter()
+        .map(|c| {
+            (
+                c["choices"][0]["index"].as_u64().expect("index"),
+                c["choices"][0]["text"].as_str().expect("text"),
+            )
+        })
+        .collect();
+    assert_eq!(opening, [(0, "w1 w2"), (1, "w1 w2"), (2, "w5"), (3, "w5")]);
+    let mut streamed = vec![String::new(); 4];
+    for chunk in &chunks[4..] {
+        let choice = &chunk["choices"][0];
+        streamed[choice["index"].as_u64().expect("index") as usize] += choice["text"].as_str().expect("text");
+    }
+    assert_eq!(streamed, [" w3 w4", " w3 w4", " w6 w7", " w6 w7"]);
 }
 
 #[tokio::test]
@@ -801,15 +804,8 @@ async fn run_under_memory_pressure_windowed(
     kv_admission: KvAdmission,
     window: u32,
 ) -> TestServer {
-    let preemption = PreemptionConfig {
-        mode,
-        num_host_blocks: 20,
-        costs: PreemptionCosts {
-            swap_seconds_per_block: 1e-6,
-            prefill_seconds_per_token: 1e-4,
-        },
-    };
-    let server = server_with(13, 64, BatchingMode::Continuous, preemption, kv_admission, window).await;
+    // The fake shard's swap pool: 20 host blocks, copied at 1 us a block against 100 us a prefill token.
+    let server = server_with(13, 64, BatchingMode::Continuous, (mode, 20), kv_admission, window).await;
     let mut tasks = Vec::new();
     for i in 0..16u32 {
         let app = server.app.clone();
@@ -884,17 +880,12 @@ async fn windowed_sequences_survive_swap_and_recompute_preemption() {
 
 #[tokio::test]
 async fn a_long_windowed_sequence_holds_only_its_window_and_its_prefix_still_hits() {
-    let preemption = PreemptionConfig {
-        mode: PreemptionMode::Recompute,
-        num_host_blocks: 0,
-        costs: PreemptionCosts::default(),
-    };
     let window = 8;
     let server = server_with(
         64,
         8,
         BatchingMode::Continuous,
-        preemption,
+        (PreemptionMode::Recompute, 0),
         KvAdmission::Incremental,
         window,
     )
