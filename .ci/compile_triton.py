@@ -57,8 +57,8 @@ def signature(
     return types
 
 
-def variants() -> list[tuple[str, triton.JITFunction, torch.dtype, dict[str, object]]]:
-    """(label, kernel, pool dtype, constexprs): each dtype, head dims 64 / 80 / 128 / 256, block sizes
+def variants() -> list[tuple[str, triton.JITFunction, torch.dtype, dict[str, object], int]]:
+    """(label, kernel, pool dtype, constexprs, warps): each dtype, head dims 64 / 80 / 128 / 256, block sizes
     8 / 16 / 32, GQA 1 / 4 / 8, decode and prefill, with and without window and softcap."""
     out = []
     for dtype, head_dim, block_size, group, decode, window, softcap in [
@@ -70,7 +70,7 @@ def variants() -> list[tuple[str, triton.JITFunction, torch.dtype, dict[str, obj
         (torch.bfloat16, 256, 16, 2, False, True, False),
         (torch.bfloat16, 256, 32, 8, True, False, True),
     ]:
-        block_m, block_n = ta.tile_sizes(head_dim)
+        block_m, block_n, num_warps = ta.tile_sizes(head_dim)
         constexprs: dict[str, object] = dict(
             GROUP=group,
             HEAD_DIM=head_dim,
@@ -88,7 +88,7 @@ def variants() -> list[tuple[str, triton.JITFunction, torch.dtype, dict[str, obj
             f"tiles {TRITON_TYPES[dtype]} d{head_dim} bs{block_size} g{group} "
             f"{'decode' if decode else 'prefill'}{' window' * window}{' softcap' * softcap}"
         )
-        out.append((label, ta._paged_attention_tiles, dtype, constexprs))
+        out.append((label, ta._paged_attention_tiles, dtype, constexprs, num_warps))
         if decode:
             merge = dict(
                 HEAD_DIM=head_dim,
@@ -97,7 +97,7 @@ def variants() -> list[tuple[str, triton.JITFunction, torch.dtype, dict[str, obj
                 SPLIT_KEYS=ta.SPLIT_KEYS,
                 USE_WINDOW=window,
             )
-            out.append((f"merge {TRITON_TYPES[dtype]} d{head_dim}", ta._merge_decode_splits, dtype, merge))
+            out.append((f"merge {TRITON_TYPES[dtype]} d{head_dim}", ta._merge_decode_splits, dtype, merge, 4))
     return out
 
 
@@ -106,13 +106,13 @@ def compile_all(archs: list[int]) -> int:
     failures = 0
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
-        for label, kernel, dtype, constexprs in variants():
+        for label, kernel, dtype, constexprs, num_warps in variants():
             start = time.perf_counter()
             try:
                 source = triton.compiler.ASTSource(
                     fn=kernel, signature=signature(kernel, dtype, constexprs), constexprs=constexprs
                 )
-                compiled = triton.compile(source, target=target)
+                compiled = triton.compile(source, target=target, options={"num_warps": num_warps})
                 cubin = compiled.asm.get("cubin", b"")
                 if not cubin:
                     raise RuntimeError("no cubin")

@@ -52,9 +52,11 @@ MAX_HEAD_DIM = 256
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def tile_sizes(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M rows, BLOCK_N keys) per tile: a function of head_dim alone (batch invariance)."""
-    return (64, 64) if head_dim <= 128 else (32, 32)
+def tile_sizes(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, warps) per tile: a function of head_dim alone (batch invariance). 64 rows
+    make one wgmma tile on sm_90 (mma.sync on sm_80); past 128 dims, fewer keys and more warps hold the
+    float32 accumulator [64, head_dim] in registers."""
+    return (64, 64, 4) if head_dim <= 128 else (64, 32, 8)
 
 
 @triton.jit
@@ -324,7 +326,7 @@ def paged_attention(
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the pools need a unit stride along head_dim")
     group = num_heads // num_kv_heads
-    block_m, block_n = tile_sizes(head_dim)
+    block_m, block_n, num_warps = tile_sizes(head_dim)
     head_dim_pad = triton.next_power_of_2(head_dim)
     num_seqs = meta.context_lens.shape[0]
     out = torch.empty_like(q)
@@ -364,7 +366,7 @@ def paged_attention(
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         tables.stride(0), *part_strides,
-        SPLIT_OUTPUT=meta.is_decode, **common,
+        SPLIT_OUTPUT=meta.is_decode, num_warps=num_warps, **common,
     )  # fmt: skip
     if meta.is_decode:
         _merge_decode_splits[(num_seqs,)](
