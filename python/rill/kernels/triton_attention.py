@@ -7,24 +7,26 @@ Contract (see `KernelOps.paged_attention` for the semantics):
   positions int64 [num_tokens]; cu_seqlens_q int32 [num_seqs + 1]; context_lens int32 [num_seqs]. The result
   is [num_tokens, num_heads, head_dim] in q's dtype. Pools in float32, bfloat16 or float16; q is cast to the
   pools' dtype. head_dim any multiple of 16 up to 256 (tiles pad it to a power of two, masked); block sizes
-  any power of two; GQA groups (num_heads / num_kv_heads) up to BLOCK_M.
+  any power of two; GQA groups (num_heads / num_kv_heads) up to BLOCK_M. Partial split states of a decode
+  call: float32 [num_tokens, num_heads, splits, head_dim padded] + [.., 2] (max, sum), allocated per call,
+  splits = ceil(max_context_len / SPLIT_KEYS).
 - Work. One program takes a tile of BLOCK_M rows of one sequence and one KV head, a row being a (query,
   query head of the KV head's group) pair, query-major: every query head of a group shares each K/V tile.
   It walks the keys in fixed splits of SPLIT_KEYS keys (split s: keys [s * SPLIT_KEYS, (s + 1) *
   SPLIT_KEYS)), each split in tiles of BLOCK_N keys from the split's start, with an online softmax started
-  afresh in each split: scores = dot(q, k) in float32 (tensor cores for 16-bit pools; IEEE float32, not
-  TF32, for float32 pools), times `scale`, soft-capped (softcap * tanh(score / softcap), tanh through exp),
-  masked to -inf outside [position - sliding_window + 1, position]; probabilities exp(score - max) in float32,
-  rounded to the pools' dtype for the dot with V, accumulated in float32. A split's state (max m, sum l,
-  unnormalised accumulator) is merged into the row's total in split order by `_merge_split`; the output is
-  total accumulator / total sum, rounded once to q's dtype.
+  afresh in each split. Rounding points: scores = dot(q, k) in float32 (tensor cores for 16-bit pools; IEEE
+  float32 for float32 pools, not TF32, so no tensor cores), times `scale`; soft-capped as softcap * tanh(
+  score / softcap), tanh through exp; masked to -inf outside [position - sliding_window + 1, position];
+  probabilities exp(score - max) in float32, rounded to the pools' dtype for the dot with V, accumulated in
+  float32. A split's state (max m, sum l, unnormalised accumulator) is merged into the row's total in split
+  order by `_merge_split`; the output is total accumulator / total sum, rounded once to q's dtype.
   Decode (every sequence one query: `meta.is_decode`) runs one program per split and writes each split's
   state (float32) to memory; a second kernel merges them with the same `_merge_split`. Prefill and mixed
   batches merge the splits inside the program. So both paths do the same float operations per row.
 - Reads. A program reads only keys in [first visible key of its first row, min(context_len, position of its
   last row + 1)): block-table entries and pool slots outside are never loaded (masked loads give zeros),
   so released window blocks (the null block), padded table entries and slots past a context may hold NaN.
-- Batch invariance. Tile sizes (BLOCK_M, BLOCK_N) depend on head_dim only, SPLIT_KEYS is a constant, and
+- Batch invariance. Tile sizes and warps (`tile_sizes`) depend on head_dim only, SPLIT_KEYS is a constant, and
   split and tile boundaries are fixed key positions, never derived from the batch. A row's value depends on
   the other rows of its tile only through which keys are loaded, and a key outside the row's causal window
   scores -inf: a tile or split with no visible key leaves the row's state bitwise unchanged (its
@@ -32,9 +34,12 @@ Contract (see `KernelOps.paged_attention` for the semantics):
   loaded key the row does not see adds exactly 0. Hence a query's bits do not depend on the other sequences
   of the batch, on how its sequence is chunked, nor on whether it runs as a decode row (split kernel + merge
   kernel) or inside a prefill tile (in-program merge): the tests check all three bitwise under the
-  interpreter. On a GPU this rests on a dot's output element not depending on its row's place in the tile
-  nor on the other rows (true of the MMA instructions for a fixed tile shape) and on both merge paths
-  compiling `_merge_split` alike; unchecked until a GPU is lent. The result differs from the torch
+  interpreter, whose `tl.dot` the tests replace by an order-fixed float32 sum (numpy's BLAS is not
+  row-invariant). On a GPU this rests on a dot's output element not depending on its row's place in the
+  tile nor on the other rows (true of mma.sync / wgmma for a fixed tile shape, and decode and prefill use
+  the same one) and on both merge paths compiling `_merge_split` alike (the same FMA contractions: Triton
+  fuses by default); unchecked until a GPU is lent. Not invariant: anything across head dims or Triton
+  versions (other tiles, other code). The result differs from the torch
   reference `tiled_causal_attention` (256-key tiles, one online softmax, q scaled before the dot) by
   rounding only.
 """
