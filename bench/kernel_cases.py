@@ -100,13 +100,18 @@ def _cache_for(case: AttentionCase) -> KVCache:
 
 
 def run_attention(
-    case: AttentionCase, ops: KernelOps | None, max_context_len: int | None = None
+    case: AttentionCase,
+    ops: KernelOps | None,
+    max_context_len: int | None = None,
+    *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shard's PagedAttention layer (store K/V, then attend) on a copy of the case's pools, through the
     torch reference (ops None) or the kernel ops; returns (out, k_pool, v_pool)."""
     cache = _cache_for(case)
     num_heads, head_dim = case.q.shape[1:]
-    layer = PagedAttention(0, num_heads, case.k_pool.shape[2], head_dim, case.scale)
+    layer = PagedAttention(0, num_heads, case.k_pool.shape[2], head_dim, case.scale, sliding_window, softcap)
     layer.use_ops(ops)
     ctx = ForwardContext(cache, case.metadata(max_context_len))
     with torch.inference_mode(), forward_context(ctx):
