@@ -6,8 +6,10 @@ Without a GPU they run under Triton's interpreter on CPU tensors: tests/shard/co
 decorators read it at import), so CI executes the kernels' own code. With a GPU the same tests run compiled,
 on it. Tolerances: bitwise for store_kv, rotary, the residual sum and argmax (same roundings at the same
 points, or no arithmetic at all); RMSNorm's output 1e-6 relative in float32 (only the order of the sum of
-squares differs) and 1e-2 in 16-bit dtypes; SiLU-and-mul 1e-6 / 1e-2 (another exp); softmax statistics to
-float32 `assert_close`. Each kernel's result for a row is checked to be the same bits alone and in a batch.
+squares differs); in 16-bit dtypes every element within 2 ulp of the reference's and 99% its bits (the same
+rounding points, from float32 values that differ in their last bits); SiLU-and-mul the same (another exp);
+softmax statistics to float32 `assert_close`. Each kernel's result for a row is checked to be the same bits
+alone and in a batch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from bench.kernel_cases import max_relative_error
 OPS = gpu.GpuOps()
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+FLOAT32_TOLERANCE = 1e-6  # relative
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -36,6 +38,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     compares equal to NaN and -0.0 differs from 0.0."""
     t = torch.where(t.isnan(), torch.full_like(t, float("nan")), t)
     return t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+
+
+def assert_rounded_like_the_reference(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: within FLOAT32_TOLERANCE. 16-bit: the kernel rounds where the reference does, from float32
+    values that differ in their last bits at most (another exp, another order of a sum), so an element is off
+    by at most 2 ulp (1 ulp of an intermediate, times the weight) and at least 99% are the reference's bits; a
+    rounding point moved breaks that long before it breaks a 1e-2 tolerance."""
+    assert actual.dtype == expected.dtype
+    if actual.dtype == torch.float32:
+        assert max_relative_error(actual, expected) <= FLOAT32_TOLERANCE
+        return
+    distance = (bits(actual).int() - bits(expected).int()).abs()
+    assert distance.max().item() <= 2
+    assert (distance == 0).float().mean().item() >= 0.99, (distance == 0).float().mean().item()
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
@@ -115,7 +131,7 @@ def test_fused_add_rms_norm_matches_rmsnorm(dtype, with_residual):
     assert out.dtype == dtype and out.shape == x.shape
     assert out[4].isnan().all() and not out[[0, 1, 2, 3, 5, 6, 7, 8]].isnan().any()
     rows = [0, 1, 2, 3, 5, 6, 7, 8]
-    assert max_relative_error(out[rows], expected[rows]) <= TOLERANCE[dtype]
+    assert_rounded_like_the_reference(out[rows], expected[rows])
     # The layer's path: RMSNorm with ops calls the kernel, with the same bits.
     norm.use_ops(OPS)
     through_layer = norm(x, residual)
@@ -192,7 +208,7 @@ def test_silu_and_mul_matches_torch(dtype):
     layer.use_ops(OPS)
     out = layer(x)
     assert out.dtype == dtype and out.shape == expected.shape
-    assert max_relative_error(out, expected) <= TOLERANCE[dtype]
+    assert_rounded_like_the_reference(out, expected)
     alone = OPS.silu_and_mul(x[3:4])
     assert torch.equal(bits(alone), bits(out[3:4]))
 
