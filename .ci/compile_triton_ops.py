@@ -9,6 +9,7 @@ same source also lowers for the GPUs. Exit status 1 on any failure.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Iterator
@@ -43,12 +44,16 @@ def cases() -> Iterator[Case]:
     next_pow2 = triton.next_power_of_2
     for dtype in DTYPES:
         pointer = f"*{dtype}"
-        for num_kv_heads, head_dim in ((3, 64), (8, 128), (4, 256)):
+        # (new K/V dtype, pool dtype): the model's, and float32 K/V into a 16-bit pool (one conversion)
+        store_dtypes = [(pointer, pointer)] + ([("*fp32", pointer)] if dtype != "fp32" else [])
+        for (num_kv_heads, head_dim), (new, pool) in itertools.product(
+            ((3, 64), (8, 128), (4, 256)), store_dtypes
+        ):
             block_h, block_d = next_pow2(num_kv_heads), next_pow2(head_dim)
             yield _case(
                 triton_ops._store_kv_kernel,
-                f"store_kv {dtype} kv{num_kv_heads} d{head_dim}",
-                {name: pointer for name in ("k_ptr", "v_ptr", "k_pool_ptr", "v_pool_ptr")}
+                f"store_kv {new[1:]} -> {pool[1:]} kv{num_kv_heads} d{head_dim}",
+                {"k_ptr": new, "v_ptr": new, "k_pool_ptr": pool, "v_pool_ptr": pool}
                 | {"slot_ptr": "*i64", "num_slots": "i64"}
                 | {
                     name: "i32"
