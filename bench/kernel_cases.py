@@ -3,7 +3,8 @@ tests (tests/shard/test_kernels.py, tests/shard/test_cpu_kernels.py) and bench/g
 
 A case scatters each sequence's blocks over the pool in random order, pads block tables with the null block 0,
 and poisons (NaN) block 0 and every slot past a sequence's context, so a kernel that reads a padded or unused
-slot produces NaN instead of a plausible number. Kernel outputs are poisoned before the call too.
+slot produces NaN instead of a plausible number. `run_attention_poisoned` poisons the memory the output is
+likely to get too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from rill.kernels import cuda
 from rill.kernels.ops import AttentionMetadata, KernelOps
 from rill.shard.kv_cache import KVCache
 from rill.shard.layers.attention import ForwardContext, PagedAttention, forward_context
@@ -100,13 +100,18 @@ def _cache_for(case: AttentionCase) -> KVCache:
 
 
 def run_attention(
-    case: AttentionCase, ops: KernelOps | None, max_context_len: int | None = None
+    case: AttentionCase,
+    ops: KernelOps | None,
+    max_context_len: int | None = None,
+    *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shard's PagedAttention layer (store K/V, then attend) on a copy of the case's pools, through the
     torch reference (ops None) or the kernel ops; returns (out, k_pool, v_pool)."""
     cache = _cache_for(case)
     num_heads, head_dim = case.q.shape[1:]
-    layer = PagedAttention(0, num_heads, case.k_pool.shape[2], head_dim, case.scale)
+    layer = PagedAttention(0, num_heads, case.k_pool.shape[2], head_dim, case.scale, sliding_window, softcap)
     layer.use_ops(ops)
     ctx = ForwardContext(cache, case.metadata(max_context_len))
     with torch.inference_mode(), forward_context(ctx):
@@ -114,31 +119,17 @@ def run_attention(
     return out, cache.k[0], cache.v[0]
 
 
-def run_attention_poisoned(case: AttentionCase, num_splits: int | None = None) -> torch.Tensor:
-    """The CUDA attention kernel alone (pool already holding the new K/V) into a NaN-poisoned output."""
+def run_attention_poisoned(case: AttentionCase, ops: KernelOps) -> torch.Tensor:
+    """The ops' attention alone (the pool already holding the new K/V, written by `ops.store_kv`), its output
+    likely landing on NaN: a NaN-filled tensor of the output's size is freed just before the call, so a
+    caching allocator (torch's on CUDA) hands that memory to the output the op allocates, and an element the
+    kernel fails to write stays NaN."""
     cache = _cache_for(case)
-    cuda.CudaOps().store_kv(case.k, case.v, cache.k[0], cache.v[0], case.slot_mapping)
+    ops.store_kv(case.k, case.v, cache.k[0], cache.v[0], case.slot_mapping)
     meta = case.metadata()
-    out = torch.full_like(case.q, float("nan"))
-    ext = cuda.load()
-    if meta.is_decode:
-        num_seqs, num_heads, head_dim = case.q.shape
-        if num_splits is None:
-            sms = cuda.num_sms(case.q.device.index or 0)
-            num_splits = cuda.decode_num_splits(num_seqs, case.k_pool.shape[2], meta.max_context_len, sms)
-        nan, device = float("nan"), case.q.device
-        partial_out = torch.full((num_seqs, num_heads, num_splits, head_dim), nan, device=device)
-        partial_lse = torch.full((num_seqs, num_heads, num_splits), nan, device=device)
-        ext.paged_decode_attention(
-            out, case.q, cache.k[0], cache.v[0], case.block_tables, meta.context_lens, case.scale, num_splits,
-            partial_out, partial_lse,
-        )  # fmt: skip
-    else:
-        ext.paged_prefill_attention(
-            out, case.q, cache.k[0], cache.v[0], case.block_tables, meta.context_lens, meta.cu_seqlens_q,
-            case.positions, case.scale, meta.max_query_len,
-        )  # fmt: skip
-    return out
+    poison = torch.full_like(case.q, float("nan"))
+    del poison
+    return ops.paged_attention(case.q, cache.k[0], cache.v[0], meta, case.scale)
 
 
 def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

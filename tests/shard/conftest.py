@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,11 @@ from rill.shard.runner import ModelRunner
 from rill.shard.sampling import SamplingParams
 
 torch.set_num_threads(1)
+# Without a GPU, Rill's Triton kernels (rill/kernels/triton_ops.py, test_triton_ops.py) run on the CPU under
+# Triton's interpreter. Its `@triton.jit` decorators read this when rill.kernels.triton_ops is first imported,
+# which nothing does before the tests (rill.kernels.gpu imports it on first use).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY: dict[str, Any] = dict(
     hidden_size=64,

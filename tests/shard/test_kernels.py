@@ -1,33 +1,35 @@
-"""The CUDA kernels (rill.kernels.cuda) against the shard's torch references, and the backend dispatch.
+"""The backend dispatch (which kernels a runner picks, and when it falls back to the torch references), and
+the GPU kernels (rill.kernels.gpu, Triton) against the shard's torch references on a GPU.
 
-CPU tests always run: the kernel ops are chosen once per model (the CPU kernels under auto, the references
-when they cannot run or when asked), the fused residual + RMSNorm equals the unfused form bitwise, the decode
-split heuristic. GPU tests are marked `gpu` and skipped without a CUDA device (and nvcc); bench/gpu_check.py
-is the full sweep with timings.
+CPU tests always run: the kernel ops are chosen once per model (the CPU kernels under auto, the GPU's Triton
+kernels for a CUDA device, the references when they cannot run or when asked), the fused residual + RMSNorm
+equals the unfused form bitwise. GPU tests are marked `gpu` and skipped without a CUDA device; the Triton
+kernels themselves run on the CPU under the interpreter in test_triton_ops.py, and bench/gpu_check.py is the
+full sweep with timings.
 """
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 from rill.kernels import cpu as cpu_kernels
-from rill.kernels import cuda as kernels
+from rill.kernels import gpu
 from rill.launcher import shard_command
 from rill.shard.config import ShardConfig
 from rill.shard.layers.backend import KernelLayer
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
+from rill.shard.runner import ModelRunner
 from rill.shard.server import parse_args
 
 from bench.kernel_cases import make_case, max_relative_error, run_attention, run_attention_poisoned
 
 from .conftest import make_runner, save_tiny_model
 
-requires_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or kernels.find_cuda_home() is None, reason="needs a CUDA GPU and nvcc"
-)
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
@@ -104,6 +106,38 @@ def test_a_head_dim_the_cpu_kernel_cannot_run_keeps_the_references(tmp_path):
         make_runner(path, attention_backend="cpu")
 
 
+def choose_ops_on_cuda(runner, attention_backend: str):
+    """`ModelRunner._choose_ops` as a runner of this model on a CUDA device would run it."""
+    fake = SimpleNamespace(
+        config=SimpleNamespace(attention_backend=attention_backend),
+        device=torch.device("cuda"),
+        model=runner.model,
+    )
+    return ModelRunner._choose_ops(fake)
+
+
+def test_a_cuda_runner_picks_the_triton_kernels_or_says_why_not(llama_runner, monkeypatch, caplog):
+    if not torch.cuda.is_available():
+        with caplog.at_level(logging.WARNING):
+            assert choose_ops_on_cuda(llama_runner, "auto") is None
+        assert "no CUDA device for Rill's Triton kernels: using the torch references" in caplog.text
+        with pytest.raises(ValueError, match="no CUDA device"):
+            choose_ops_on_cuda(llama_runner, "cuda")
+        monkeypatch.setattr(gpu.GpuOps, "unavailable_reason", lambda self: None)
+    for backend in ("auto", "cuda"):
+        assert isinstance(choose_ops_on_cuda(llama_runner, backend), gpu.GpuOps)
+    assert choose_ops_on_cuda(llama_runner, "torch") is None
+
+
+def test_a_head_dim_the_triton_attention_cannot_run_keeps_the_references(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu.GpuOps, "unavailable_reason", lambda self: None)
+    path = save_tiny_model(tmp_path, hidden_size=40, num_attention_heads=2, num_key_value_heads=1)
+    runner = make_runner(path, attention_backend="torch")  # head_dim 20
+    assert choose_ops_on_cuda(runner, "auto") is None
+    with pytest.raises(ValueError, match="multiple of 16"):
+        choose_ops_on_cuda(runner, "cuda")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_norm_equals_unfused_reference(dtype):
     torch.manual_seed(0)
@@ -113,15 +147,6 @@ def test_fused_add_norm_equals_unfused_reference(dtype):
     out, new_residual = norm(x, residual)
     assert torch.equal(new_residual, residual + x)
     assert torch.equal(out, norm(residual + x))
-
-
-def test_decode_splits_fill_the_gpu_and_respect_bounds():
-    assert kernels.decode_num_splits(256, 8, 4096, 132) == 1
-    assert kernels.decode_num_splits(1, 8, 100, 132) == 1  # short context: one split
-    assert kernels.decode_num_splits(1, 8, 10**6, 132) == kernels.MAX_SPLITS
-    assert kernels.decode_num_splits(64, 8, 4096, 132) == 3
-    for num_seqs in (1, 3, 64, 256):
-        assert 1 <= kernels.decode_num_splits(num_seqs, 2, 32768, 132) <= kernels.MAX_SPLITS
 
 
 # GPU tests
@@ -135,13 +160,11 @@ def test_decode_splits_fill_the_gpu_and_respect_bounds():
 def test_decode_attention_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size):
     case = make_case([1] * 5, [1, 17, 300, 1000, 2049], num_heads, num_kv_heads, head_dim, block_size, dtype)
     expected, k_ref, v_ref = run_attention(case, None)
-    actual, k_out, v_out = run_attention(case, kernels.CudaOps())
+    actual, k_out, v_out = run_attention(case, gpu.GpuOps())
     assert max_relative_error(actual, expected) <= TOLERANCE[dtype]
     assert torch.equal(k_out.nan_to_num(7.0), k_ref.nan_to_num(7.0))
     assert torch.equal(v_out.nan_to_num(7.0), v_ref.nan_to_num(7.0))
-    for num_splits in (1, 3, 64):
-        poisoned = run_attention_poisoned(case, num_splits)
-        assert max_relative_error(poisoned, expected) <= TOLERANCE[dtype], num_splits
+    assert max_relative_error(run_attention_poisoned(case, gpu.GpuOps()), expected) <= TOLERANCE[dtype]
 
 
 @pytest.mark.gpu
@@ -152,8 +175,8 @@ def test_prefill_attention_matches_reference(dtype, head_dim, num_heads, num_kv_
     # A fresh prompt, a chunk after a cached prefix, a decode token, in one mixed call.
     case = make_case([40, 33, 1], [40, 300, 77], num_heads, num_kv_heads, head_dim, 16, dtype)
     expected, _, _ = run_attention(case, None)
-    assert max_relative_error(run_attention(case, kernels.CudaOps())[0], expected) <= TOLERANCE[dtype]
-    assert max_relative_error(run_attention_poisoned(case), expected) <= TOLERANCE[dtype]
+    assert max_relative_error(run_attention(case, gpu.GpuOps())[0], expected) <= TOLERANCE[dtype]
+    assert max_relative_error(run_attention_poisoned(case, gpu.GpuOps()), expected) <= TOLERANCE[dtype]
 
 
 @pytest.mark.gpu
@@ -173,8 +196,8 @@ def test_norm_and_rotary_match_reference(dtype):
     q_ref, k_ref = rotary(
         positions, qkv[:, : 9 * 64].view(33, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(33, 3, 64)
     )
-    norm.use_ops(kernels.CudaOps())
-    rotary.use_ops(kernels.CudaOps())
+    norm.use_ops(gpu.GpuOps())
+    rotary.use_ops(gpu.GpuOps())
     out, new_residual = norm(x, residual)
     plain = norm(x)
     qkv_kernel = qkv.clone()

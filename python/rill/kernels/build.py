@@ -1,5 +1,5 @@
-"""Builds Rill's kernels into the cache ahead of time: the CPU kernels always (needs a C++ compiler), the CUDA
-kernels when a GPU and nvcc are present.
+"""Builds Rill's CPU kernels into the cache ahead of time (needs a C++ compiler). The GPU kernels are Triton's
+to compile, per shape on first use: nothing to build for them here.
 
 python -m rill.kernels.build
 """
@@ -9,10 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from rill.kernels.cpu import CpuOps
-from rill.kernels.cuda import CudaOps
 from rill.kernels.ops import KernelOps
 
 
@@ -21,17 +18,14 @@ def build(ops: KernelOps) -> None:
     if reason is not None:
         raise SystemExit(f"cannot build the {ops.name} kernels: {reason}")
     start = time.perf_counter()
-    module = ops.load(verbose=ops.name == "cuda")
+    module = ops.load()
     print(f"{ops.name} kernels: built/loaded {module.__file__} in {time.perf_counter() - start:.1f}s")
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     build(CpuOps())
-    if not torch.cuda.is_available():
-        print("cuda kernels: no CUDA device, skipped (.ci/compile_cuda.py checks their sources)")
-        return
-    build(CudaOps())
+    print("cuda kernels (Triton): compiled by Triton on first use, nothing to build ahead of time")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A layer of the shard holds a `KernelOps` (or None, meaning its plain-torch refer
 is tested against) and never asks which device answers. The runner picks the ops once per model
 (`--attention-backend`), builds one `AttentionMetadata` per forward whatever the ops, and hands the ops to
 each layer that can run on them. The implementations: `rill.kernels.cpu.CpuOps` (C++, OpenMP, AVX-512) and
-`rill.kernels.cuda.CudaOps` (CUDA C++); a new backend (quantized, another GPU) subclasses `KernelOps` here.
+`rill.kernels.gpu.GpuOps` (Triton); a new backend (quantized, another GPU) subclasses `KernelOps` here.
 
 Required ops are abstract. Optional ones (`silu_and_mul`, the packed `linear`, the sampler's row reductions)
 raise in this base class; `provides(name)` says whether a backend overrides one, and a layer whose op is not

@@ -26,7 +26,7 @@ class ShardConfig:
     from `Info`). `num_threads` is torch's intra-op thread count on the CPU (0 = torch's default).
     With `world_size` > 1 the ranks rendezvous through `dist_init_method`, a torch.distributed URL
     (tcp://127.0.0.1:PORT, or file:///PATH in a folder private to one launch).
-    `attention_backend` picks the kernel ops (`cpu`: rill.kernels.cpu, `cuda`: rill.kernels.cuda) or the torch
+    `attention_backend` picks the kernel ops (`cpu`: rill.kernels.cpu, `cuda`: rill.kernels.gpu) or the torch
     references (`torch`) for attention, KV writes, norms and rotary (auto: the device's kernels where they can
     run, see `ModelRunner._choose_ops`); `cuda_graph_max_batch_size` bounds the decode
     batch sizes captured as CUDA graphs with the kernels (0: none). `otlp_endpoint`, when set, is the

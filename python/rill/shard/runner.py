@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from rill.kernels.cpu import CpuOps
-from rill.kernels.cuda import CudaOps
+from rill.kernels.gpu import GpuOps
 from rill.kernels.ops import AttentionMetadata, KernelOps
 from rill.shard import distributed
 from rill.shard.batch import (
@@ -134,7 +134,7 @@ class ModelRunner:
         requested = self.config.attention_backend
         if requested == "torch":
             return None
-        ops: KernelOps = CudaOps() if self.device.type == "cuda" else CpuOps()
+        ops: KernelOps = GpuOps() if self.device.type == "cuda" else CpuOps()
         reasons = unsupported_reasons(self.model, ops)
         if not reasons:
             reasons = [reason for reason in [_load_kernels(ops)] if reason]
@@ -143,7 +143,7 @@ class ModelRunner:
                 raise ValueError("; ".join(reasons))
             logger.warning("%s: using the torch references", "; ".join(reasons))
             return None
-        logger.info("kernels: %s (rill.kernels.%s)", type(ops).__name__, ops.name)
+        logger.info("kernels: %s (%s)", type(ops).__name__, type(ops).__module__)
         return ops
 
     @property

@@ -301,8 +301,9 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         "--attention-backend",
         choices=ATTENTION_BACKENDS,
         default="auto",
-        help="Rill's native kernels (cpu: C++, cuda: CUDA) or the torch references (torch) for attention, KV "
-        "writes, norms and rotary; auto: the device's kernels where they can run, else torch (default: auto)",
+        help="Rill's native kernels (cpu: C++, cuda: Triton) or the torch references (torch) for "
+        "attention, KV writes, norms and rotary; auto: the device's kernels where they can run, else torch "
+        "(default: auto)",
     )
     parser.add_argument(
         "--cuda-graph-max-batch-size",

@@ -1,5 +1,6 @@
-// Tensor checks shared by the torch bindings of every device (binding.cpp for CUDA, cpu/binding.cpp): each raises a
-// RuntimeError naming the argument. Device-specific checks (pool layouts, alignment) stay in their binding.
+// Tensor checks for a torch binding of C++ kernels (today the CPU's, cpu/binding.cpp; the GPU kernels are Triton
+// and check in Python): each raises a RuntimeError naming the argument. Layout-specific checks (the pools) stay
+// in the binding.
 #pragma once
 
 #include <torch/extension.h>

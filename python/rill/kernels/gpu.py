@@ -1,0 +1,120 @@
+"""Rill's GPU kernels, all Triton: `GpuOps`, the GPU's `KernelOps`.
+
+Paged attention is `rill.kernels.triton_attention.paged_attention`; the KV write, fused add + RMSNorm, rotary,
+SiLU-and-mul and the sampler's row reductions are `rill.kernels.triton_ops` (contracts at the top of each
+file). Linear layers keep torch's GEMM. Nothing is built ahead of time: Triton compiles each kernel for the
+device on its first call with a new shape class and caches the binary (~/.triton/cache). CI executes the same
+kernels on the CPU under Triton's interpreter and compiles them for sm_80 and sm_90 without a GPU
+(docs/kernels.md, "GPU kernels").
+
+Outputs are allocated here with torch and no op syncs with the host, so every op can be captured in a CUDA
+graph. This module imports nothing from rill.shard: kernels sit below the shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from rill.kernels.ops import AttentionMetadata, KernelOps, run_fused_add_rms_norm
+
+MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """rill.kernels.triton_ops, imported on first use: a CPU shard never imports triton."""
+    from rill.kernels import triton_ops
+
+    return triton_ops
+
+
+class GpuOps(KernelOps):
+    """Every required op, and silu_and_mul and the row reductions, as Triton kernels; not linear (torch's GEMM
+    on a GPU). Tensors may also live on the CPU when Triton runs interpreted (`TRITON_INTERPRET=1`), as the
+    tests do."""
+
+    name = "cuda"
+    captures_cuda_graphs = True
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (it comes with torch's CUDA wheels: `pip install triton`)"
+        if not torch.cuda.is_available():
+            return "no CUDA device for Rill's Triton kernels"
+        return None
+
+    def load(self, verbose: bool = False) -> ModuleType:
+        """The kernels' module; Triton compiles each kernel on its first call, so nothing is built here."""
+        return kernels()
+
+    def attention_unsupported(
+        self, head_dim: int, num_heads: int, num_kv_heads: int, sliding_window: int, softcap: float
+    ) -> str | None:
+        if head_dim % 16 != 0 or not 16 <= head_dim <= MAX_HEAD_DIM:
+            return (
+                f"the Triton attention kernel needs a head_dim multiple of 16 up to {MAX_HEAD_DIM}, "
+                f"not {head_dim}"
+            )
+        return None
+
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Bitwise the reference; a slot past the pool is skipped like a negative one (checking it would sync
+        with the host)."""
+        kernels().launch_store_kv(k, v, k_pool, v_pool, slot_mapping)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
+        from rill.kernels.triton_attention import paged_attention
+
+        return paged_attention(q, k_pool, v_pool, meta, scale, sliding_window, softcap)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sum bitwise, the output within float32 rounding (the sum of squares' order differs)."""
+        return run_fused_add_rms_norm(kernels().launch_fused_add_rms_norm, x, residual, weight, eps)
+
+    def rotary_embedding(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        """Bitwise the reference: every product and sum rounded where it rounds."""
+        kernels().launch_rotary_embedding(q, k, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """Within a few ulp of the reference (the GPU's exp)."""
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty((x2.shape[0], x2.shape[1] // 2), dtype=x.dtype, device=x.device)
+        kernels().launch_silu_and_mul(out, x2)
+        return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Bitwise torch's."""
+        out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        kernels().launch_argmax_rows(out, x.contiguous())
+        return out
+
+    def softmax_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The max bitwise, the log-sum within float32 rounding."""
+        row_max = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        log_sum = torch.empty_like(row_max)
+        kernels().launch_softmax_stats(row_max, log_sum, x.contiguous())
+        return row_max, log_sum
