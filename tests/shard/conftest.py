@@ -17,10 +17,11 @@ from rill.shard.runner import ModelRunner
 from rill.shard.sampling import SamplingParams
 
 torch.set_num_threads(1)
-# Without a GPU, Rill's Triton kernels (rill/kernels/triton_ops.py, test_triton_ops.py) run on the CPU under
-# Triton's interpreter. Its `@triton.jit` decorators read this when rill.kernels.triton_ops is first imported,
-# which nothing does before the tests (rill.kernels.gpu imports it on first use).
-if not torch.cuda.is_available():
+# Without a GPU, Rill's Triton kernels (rill/kernels/triton_*.py, test_triton_*.py) run on the CPU under
+# Triton's interpreter. Its `@triton.jit` decorators read this when those modules are first imported, which
+# nothing does before the tests (rill.kernels.gpu imports them on first use).
+IS_INTERPRETED = not torch.cuda.is_available()
+if IS_INTERPRETED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY: dict[str, Any] = dict(
@@ -134,3 +135,29 @@ def llama_runner(llama_dir: Path) -> ModelRunner:
 def llama_runner_each_backend(request: pytest.FixtureRequest, llama_dir: Path) -> ModelRunner:
     """The tiny Llama on the CPU kernels, then on the torch references."""
     return make_runner(llama_dir, attention_backend=request.param)
+
+
+def _dot_as_a_tensor_core(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+    """The interpreter's `tl.dot`, replaced: operands widened to float32 (exact for 16-bit floats), each
+    output element summed over K in order, then added to the accumulator d: what a tensor core computes.
+    Triton 3.9's own multiplies bfloat16 operands as their raw uint16 bits, and sums float32 ones through
+    numpy's BLAS, whose result for a row depends on its place in the matrix."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    a32 = a.data if a.dtype.scalar == tl.float32 else self.cast_impl(a, tl.float32).data
+    b32 = b.data if b.dtype.scalar == tl.float32 else self.cast_impl(b, tl.float32).data
+    products = a32.astype(np.float32)[:, :, None] * b32.astype(np.float32)[None, :, :]
+    total = np.add.reduce(products, axis=1, dtype=np.float32)  # sequential over K: the middle axis
+    return interpreter.TensorHandle((total + d.data).astype(np.float32), d.dtype.scalar)
+
+
+@pytest.fixture
+def tensor_core_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter, `tl.dot` as a tensor core computes it (`_dot_as_a_tensor_core`); on a GPU, the
+    GPU's own."""
+    if IS_INTERPRETED:
+        from triton.runtime import interpreter
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_as_a_tensor_core)

@@ -1,11 +1,7 @@
-"""Rill's Triton paged attention (rill/kernels/triton_attention.py), run on the CPU by Triton's interpreter.
-
-TRITON_INTERPRET=1 must be set before the kernels are *decorated* (triton.jit reads it then, whenever triton
-itself was imported), so this module sets it before it imports rill.kernels.triton_attention; on a machine
-where another test already imported that module compiled for a GPU, the kernels here would be the GPU ones.
-The interpreter's `tl.dot` multiplies bfloat16 operands as their raw uint16 bits (Triton 3.9); `_bf16_dot`
-below widens them to float32 first, exactly (a bf16 product is exact in float32), which is what a tensor
-core computes. The kernels' source is the one compiled for sm_80 / sm_90 by .ci/compile_triton.py.
+"""Rill's Triton paged attention (rill/kernels/triton_attention.py), on the CPU under Triton's interpreter
+where there is no GPU (tests/shard/conftest.py sets TRITON_INTERPRET=1 before the kernels are imported, and
+`tensor_core_dots` makes the interpreter's `tl.dot` compute as a tensor core does). The kernels' source is the
+one compiled for sm_80 / sm_90 by .ci/compile_triton.py.
 
 Cases come from bench/kernel_cases.py (blocks in random order, NaN in the null block and in every slot past
 a sequence's context). SPLIT_KEYS is lowered to 128 (two 64-key tiles) so small contexts cross splits, and
@@ -18,22 +14,17 @@ at the top of the kernel's file says why these hold).
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+from rill.kernels import triton_attention
+from rill.kernels.ops import AttentionMetadata
+from rill.shard.layers.attention import tiled_causal_attention
 
-import dataclasses  # noqa: E402
+from bench.kernel_cases import AttentionCase, make_case, max_relative_error
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from rill.kernels import triton_attention  # noqa: E402
-from rill.kernels.ops import AttentionMetadata  # noqa: E402
-from rill.shard.layers.attention import tiled_causal_attention  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
-
-from bench.kernel_cases import AttentionCase, make_case, max_relative_error  # noqa: E402
+from .conftest import IS_INTERPRETED
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 BATCHES = {
@@ -43,20 +34,10 @@ BATCHES = {
 }
 
 
-def _dot_as_a_tensor_core(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
-    """The interpreter's `tl.dot`, replaced: operands widened to float32 (exact for 16-bit floats), each
-    output element summed over K in order, then added to the accumulator d."""
-    a32 = a.data if a.dtype.scalar == tl.float32 else self.cast_impl(a, tl.float32).data
-    b32 = b.data if b.dtype.scalar == tl.float32 else self.cast_impl(b, tl.float32).data
-    products = a32.astype(np.float32)[:, :, None] * b32.astype(np.float32)[None, :, :]
-    total = np.add.reduce(products, axis=1, dtype=np.float32)  # sequential over K: the middle axis
-    return interpreter.TensorHandle((total + d.data).astype(np.float32), d.dtype.scalar)
-
-
 @pytest.fixture(autouse=True)
-def interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert type(triton_attention._paged_attention_tiles).__name__ == "InterpretedFunction"
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", _dot_as_a_tensor_core)
+def small_splits(monkeypatch: pytest.MonkeyPatch, tensor_core_dots: None) -> None:
+    if IS_INTERPRETED:
+        assert type(triton_attention._paged_attention_tiles).__name__ == "InterpretedFunction"
     monkeypatch.setattr(triton_attention, "SPLIT_KEYS", 128)
 
 

@@ -14,16 +14,14 @@ alone and in a batch.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 from rill.kernels import gpu, triton_ops
-from rill.kernels.ops import AttentionMetadata, KernelOps
+from rill.kernels.ops import KernelOps
 from rill.shard.batch import ForwardRequest
 from rill.shard.layers.activation import SiluAndMul
-from rill.shard.layers.attention import tiled_causal_attention
 from rill.shard.layers.backend import install_ops
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
@@ -84,7 +82,7 @@ def test_gpu_ops_provide_every_op_but_linear():
     assert OPS.attention_unsupported(128, 32, 8, 4096, 50.0) is None
     assert OPS.attention_unsupported(256, 8, 1, 0, 0.0) is None
     assert "multiple of 16" in OPS.attention_unsupported(80 + 8, 4, 4, 0, 0.0)
-    assert "up to 256" in OPS.attention_unsupported(320, 4, 4, 0, 0.0)
+    assert "[16, 256]" in OPS.attention_unsupported(320, 4, 4, 0, 0.0)
 
 
 # --- store_kv ---
@@ -291,46 +289,16 @@ def test_gpu_ops_is_a_complete_kernel_ops() -> None:
 # --- a whole forward ---
 
 
-class GpuOpsWithReferenceAttention(gpu.GpuOps):
-    """TEMPORARY, until rill.kernels.triton_attention (paged attention, another branch) is merged: GpuOps
-    whose paged_attention is the shard's torch reference, so a forward runs every other op through the
-    kernels."""
-
-    def paged_attention(
-        self,
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int = 0,
-        softcap: float = 0.0,
-    ) -> torch.Tensor:
-        out = torch.empty_like(q)
-        cu_seqlens_q, block_size = meta.cu_seqlens_q.tolist(), k_pool.shape[1]
-        for i, context_len in enumerate(meta.context_lens.tolist()):
-            start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
-            blocks = meta.block_tables[i, : -(-context_len // block_size)]
-            seq_k = k_pool[blocks].flatten(0, 1)[:context_len]
-            seq_v = v_pool[blocks].flatten(0, 1)[:context_len]
-            positions = meta.positions[start:end]
-            out[start:end] = tiled_causal_attention(
-                q[start:end], seq_k, seq_v, positions, scale, sliding_window=sliding_window, softcap=softcap
-            )
-        return out
-
-
-HAS_TRITON_ATTENTION = importlib.util.find_spec("rill.kernels.triton_attention") is not None
-
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="the tiny model runs on the CPU (interpreted kernels)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_tiny_model_through_the_triton_kernels_equals_the_torch_path(llama_dir, dtype):
+def test_a_tiny_model_through_the_triton_kernels_equals_the_torch_path(llama_dir, dtype, tensor_core_dots):
     """Prefill of two prompts, then a decode step of both, through GpuOps' kernels (interpreted), against the
-    same model on the torch references: logits within float32 rounding (16-bit: 2e-2), the same tokens."""
+    same model on the torch references: logits within float32 rounding (bfloat16: 5e-2 of their scale, as the
+    attention kernel rounds its probabilities to bfloat16 before the product with V and the reference does
+    not; measured 2.1e-2 through the two layers), the same tokens."""
     reference = make_runner(llama_dir, attention_backend="torch", dtype=dtype)
     kernels = make_runner(llama_dir, attention_backend="torch", dtype=dtype)
-    ops = gpu.GpuOps() if HAS_TRITON_ATTENTION else GpuOpsWithReferenceAttention()
+    ops = gpu.GpuOps()
     kernels.ops = ops
     install_ops(kernels.model, ops)
     steps = [
@@ -340,7 +308,7 @@ def test_a_tiny_model_through_the_triton_kernels_equals_the_torch_path(llama_dir
     for step in steps:
         _, expected, _ = reference.forward_logits(ForwardRequest(sequences=step))
         _, actual, _ = kernels.forward_logits(ForwardRequest(sequences=step))
-        assert max_relative_error(actual, expected) <= (1e-5 if dtype == "float32" else 2e-2)
+        assert max_relative_error(actual, expected) <= (1e-5 if dtype == "float32" else 5e-2)
         assert torch.equal(ops.argmax_rows(actual), expected.max(dim=-1).indices)
     blocks = [1, 2, 3, 10, 11]  # the K/V each wrote
     for pools, reference_pools in (

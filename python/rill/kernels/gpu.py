@@ -21,8 +21,6 @@ import torch
 
 from rill.kernels.ops import AttentionMetadata, KernelOps, run_fused_add_rms_norm
 
-MAX_HEAD_DIM = 256
-
 
 @functools.cache
 def kernels() -> ModuleType:
@@ -30,6 +28,14 @@ def kernels() -> ModuleType:
     from rill.kernels import triton_ops
 
     return triton_ops
+
+
+@functools.cache
+def attention() -> ModuleType:
+    """rill.kernels.triton_attention, imported on first use."""
+    from rill.kernels import triton_attention
+
+    return triton_attention
 
 
 class GpuOps(KernelOps):
@@ -54,12 +60,8 @@ class GpuOps(KernelOps):
     def attention_unsupported(
         self, head_dim: int, num_heads: int, num_kv_heads: int, sliding_window: int, softcap: float
     ) -> str | None:
-        if head_dim % 16 != 0 or not 16 <= head_dim <= MAX_HEAD_DIM:
-            return (
-                f"the Triton attention kernel needs a head_dim multiple of 16 up to {MAX_HEAD_DIM}, "
-                f"not {head_dim}"
-            )
-        return None
+        reason = attention().unsupported(head_dim, num_heads, num_kv_heads)
+        return None if reason is None else f"the Triton attention kernel cannot run it: {reason}"
 
     def store_kv(
         self,
@@ -83,9 +85,7 @@ class GpuOps(KernelOps):
         sliding_window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        from rill.kernels.triton_attention import paged_attention
-
-        return paged_attention(q, k_pool, v_pool, meta, scale, sliding_window, softcap)
+        return attention().paged_attention(q, k_pool, v_pool, meta, scale, sliding_window, softcap)
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -298,14 +298,16 @@ def _merge_decode_splits(
     )
 
 
-def unsupported(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> str | None:
-    """Why `paged_attention` cannot serve this shape (None: it can)."""
+def unsupported(
+    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype | None = None
+) -> str | None:
+    """Why `paged_attention` cannot serve this shape (None: it can); dtype None: the shape alone."""
     if head_dim % 16 != 0 or not 16 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim {head_dim} is not a multiple of 16 in [16, {MAX_HEAD_DIM}]"
     if num_heads % num_kv_heads != 0 or num_heads // num_kv_heads > tile_sizes(head_dim)[0]:
         max_group = tile_sizes(head_dim)[0]
         return f"{num_heads} query heads over {num_kv_heads} KV heads: not a group of at most {max_group}"
-    if dtype not in _DTYPES:
+    if dtype is not None and dtype not in _DTYPES:
         return f"pools in {dtype}: only float32, bfloat16 and float16"
     return None
 

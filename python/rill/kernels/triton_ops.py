@@ -6,7 +6,7 @@ on first use).
 The same source runs three ways: compiled for the GPU; under Triton's interpreter (`TRITON_INTERPRET=1` in the
 environment before this module is imported) on CPU tensors, which is how CI executes it
 (tests/shard/test_triton_ops.py); and compiled ahead of time for sm_80 / sm_90 without a device
-(.ci/compile_triton_ops.py).
+(.ci/compile_triton.py).
 
 Contract, for every kernel here:
 - Arithmetic is float32: every 16-bit value is converted to float32 when loaded and rounded (to nearest even)
