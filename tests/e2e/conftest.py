@@ -100,7 +100,7 @@ def stop_server(server: Server) -> None:
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
-    from rill.shard.default_model import ensure_default_model
+    from rill.convert import ensure_default_model
 
     return ensure_default_model()
 

@@ -184,7 +184,7 @@ def gemma3_gguf() -> Path:
 
 @pytest.mark.real_weights
 def test_gemma3_270m_gguf_matches_transformers(opted_in: None, gemma3_gguf: Path, tmp_path: Path) -> None:
-    from rill.shard.default_model import ensure_gguf_model
+    from rill.convert import ensure_gguf_model
 
     model_dir = ensure_gguf_model(gemma3_gguf)  # the folder the launcher serves, converted once
     # Longer than Gemma 3's 512-token window, so the local layers drop their oldest keys.

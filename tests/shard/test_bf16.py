@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from rill import convert
 from rill.kernels import cpu
 from rill.kernels.ops import AttentionMetadata
-from rill.shard import default_model
 from rill.shard.config import ShardConfig
 from rill.shard.layers.attention import ForwardContext, forward_context
 from rill.shard.runner import ModelRunner
@@ -31,9 +31,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary c
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if default_model.importlib.util.find_spec(default_model.GGUF_PACKAGE) is None:
-        pytest.skip(f"needs `{default_model.INSTALL_COMMAND}`")
-    return default_model.ensure_default_model()
+    if convert.importlib.util.find_spec(convert.GGUF_PACKAGE) is None:
+        pytest.skip(f"needs `{convert.INSTALL_COMMAND}`")
+    return convert.ensure_default_model()
 
 
 @pytest.fixture(scope="module")

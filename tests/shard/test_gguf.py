@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
-from rill.shard.default_model import check_gguf, ensure_gguf_model
+from rill.convert import check_gguf, ensure_gguf_model
 
 
 def write_gguf(path: Path, tensor_types: list[GGMLQuantizationType], add_bos_token: bool) -> Path:
@@ -132,7 +132,7 @@ def write_tiny_llama_gguf(
 
 def test_tiny_llama_gguf_is_dequantized_and_served_like_transformers(tmp_path: Path) -> None:
     import torch
-    from rill.shard.default_model import find_gguf
+    from rill.convert import find_gguf
     from safetensors.torch import load_file
 
     from .conftest import hf_model, save_tiny_model
@@ -224,7 +224,7 @@ def test_q5_k_encoder_matches_gguf_py_dequantizer() -> None:
 def test_tiny_llama_with_q5_k_tensors_loads_like_transformers(tmp_path: Path) -> None:
     """Q5_K and Q8_0 tensors in a tiny Llama: Rill's conversion de-quantizes each Q5_K weight to exactly
     what the encoder put in it (q/k rows back in HF order), and serves the folder as transformers does."""
-    from rill.shard.default_model import find_gguf
+    from rill.convert import find_gguf
     from safetensors.torch import load_file
 
     from .conftest import save_tiny_model

@@ -24,7 +24,7 @@ The folder appears atomically: conversion writes to a temporary sibling folder t
 place, so a killed conversion never leaves a half folder. `transformers` is used only here, as a
 one-time format converter.
 
-Run: python -m rill.shard.default_model [--cache-dir DIR] [GGUF_FILE]   (prints the folder path)
+Run: python -m rill.convert [--cache-dir DIR] [GGUF_FILE]   (prints the folder path)
 """
 
 from __future__ import annotations
