@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from pathlib import Path
 import pytest
 from rill import launcher
 from rill.launcher import ChildExited, LaunchConfig, ShutdownRequested, Supervisor, parse_args
+
+from bench.servers import Server, free_port, rill_command, start, stop
 
 ROUTER_BIN = Path("/bin/true")
 
@@ -369,42 +370,14 @@ def test_waiting_times_out(supervisor: Supervisor) -> None:
 # The real launcher: default model, real shard, real router.
 
 
-class RunningLauncher:
-    """`python -m rill` on a free port, its output collected by a thread."""
+def output(server: Server) -> str:
+    return server.log_path.read_text()
 
-    def __init__(self) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "rill", "--device", "cpu", "--port", str(self.port)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._collect, daemon=True).start()
 
-    def _collect(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while "Rill is serving" not in self.output:
-            assert self.process.poll() is None, f"launcher exited early:\n{self.output}"
-            assert time.monotonic() < deadline, f"launcher not ready:\n{self.output}"
-            time.sleep(0.2)
-
-    def pid_of(self, name: str) -> int:
-        match = re.search(rf"{name} has pid (\d+)", self.output)
-        assert match, self.output
-        return int(match.group(1))
+def pid_of(server: Server, name: str) -> int:
+    match = re.search(rf"{name} has pid (\d+)", output(server))
+    assert match, output(server)
+    return int(match.group(1))
 
 
 def _is_gone(pid: int) -> bool:
@@ -416,29 +389,28 @@ def _is_gone(pid: int) -> bool:
 
 
 @pytest.fixture
-def running_launcher() -> Iterator[RunningLauncher]:
-    running = RunningLauncher()
-    yield running
-    if running.process.poll() is None:
-        running.process.send_signal(signal.SIGTERM)
-        running.process.wait(30)
+def running_launcher(tmp_path: Path) -> Iterator[Server]:
+    """`python -m rill` on a free port, once healthy; its output in a log file."""
+    port = free_port()
+    log_path = tmp_path / "launcher.log"
+    server = start(rill_command(port, "--device", "cpu"), port, log_path, what="launcher", timeout_s=600)
+    yield server
+    stop(server.process, grace_s=30)
 
 
 @requires_router
-def test_killed_shard_stops_rill(running_launcher: RunningLauncher) -> None:
-    running_launcher.wait_ready()
-    router_pid = running_launcher.pid_of("router")
-    os.kill(running_launcher.pid_of("shard-0"), signal.SIGKILL)
+def test_killed_shard_stops_rill(running_launcher: Server) -> None:
+    router_pid = pid_of(running_launcher, "router")
+    os.kill(pid_of(running_launcher, "shard-0"), signal.SIGKILL)
     returncode = running_launcher.process.wait(timeout=15)
     assert returncode != 0
-    assert "shard-0 exited with code -9 (killed by SIGKILL)" in running_launcher.output
+    assert "shard-0 exited with code -9 (killed by SIGKILL)" in output(running_launcher)
     assert _is_gone(router_pid)
 
 
 @requires_router
-def test_sigterm_stops_rill_cleanly(running_launcher: RunningLauncher) -> None:
-    running_launcher.wait_ready()
-    pids = [running_launcher.pid_of("router"), running_launcher.pid_of("shard-0")]
+def test_sigterm_stops_rill_cleanly(running_launcher: Server) -> None:
+    pids = [pid_of(running_launcher, "router"), pid_of(running_launcher, "shard-0")]
     running_launcher.process.send_signal(signal.SIGTERM)
-    assert running_launcher.process.wait(timeout=30) == 0, running_launcher.output
+    assert running_launcher.process.wait(timeout=30) == 0, output(running_launcher)
     assert all(_is_gone(pid) for pid in pids)

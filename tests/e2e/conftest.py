@@ -4,34 +4,19 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench import servers
+from bench.servers import free_port, rill_command
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Server:
+class Server(servers.Server):
     """A running launcher and the address of its router."""
-
-    process: subprocess.Popen
-    url: str
-    log_path: Path
 
     def info(self) -> dict:
         return requests.get(f"{self.url}/info", timeout=10).json()
@@ -50,52 +35,18 @@ class Server:
 
 
 def start_server(model_path: Path, tmp_dir: Path, *extra_args: str, timeout_s: float = 300.0) -> Server:
+    """`python -m rill` with `model_path` on the CPU with one thread, once GET /health answers 200."""
     port = free_port()
+    if "RILL_ROUTER_BIN" in os.environ:
+        extra_args = (*extra_args, "--router-bin", os.environ["RILL_ROUTER_BIN"])
+    flags = ["--model-id", str(model_path), "--device", "cpu", "--num-threads", "1", *extra_args]
     log_path = tmp_dir / f"launcher-{port}.log"
-    env = dict(os.environ)
-    if "RILL_ROUTER_BIN" in env:
-        extra_args = (*extra_args, "--router-bin", env["RILL_ROUTER_BIN"])
-    command = [
-        sys.executable,
-        "-m",
-        "rill",
-        "--model-id",
-        str(model_path),
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        "--num-threads",
-        "1",
-        *extra_args,
-    ]
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process in stop_server
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"launcher exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if requests.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"server not ready after {timeout_s}s:\n{log_path.read_text()}")
-        time.sleep(0.5)
-    return Server(process=process, url=url, log_path=log_path)
+    started = servers.start(rill_command(port, *flags), port, log_path, what="launcher", timeout_s=timeout_s)
+    return Server(started.url, started.process, started.log_path)
 
 
 def stop_server(server: Server) -> None:
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    servers.stop(server.process, grace_s=30)
 
 
 @pytest.fixture(scope="session")

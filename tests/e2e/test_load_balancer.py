@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,7 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.e2e.conftest import ROOT, Server, free_port, start_server, stop_server
+from bench.servers import ROOT, accepts_connections, free_port, wait_until
+from tests.e2e.conftest import Server, start_server, stop_server
 
 NGINX = shutil.which("nginx")
 pytestmark = pytest.mark.skipif(
@@ -65,20 +65,6 @@ def render_nginx_conf(upstream_ports: list[int], listen_port: int, tmp_dir: Path
     return text
 
 
-def wait_for_port(port: int, process: subprocess.Popen, log: Path, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"nginx exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"nginx not listening after {timeout_s}s:\n{log.read_text()}") from None
-            time.sleep(0.1)
-
-
 def kill_instance(server: Server) -> None:
     """A crash: SIGKILL to the launcher and to the process group of each of its children (shards, router;
     the launcher starts each in its own session), so nothing gets to shut down cleanly."""
@@ -110,7 +96,9 @@ def cluster(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         check = subprocess.run([*command, "-t"], capture_output=True, text=True)
         assert check.returncode == 0, f"nginx -t rejects the rendered config:\n{check.stderr}"
         nginx_process = subprocess.Popen([*command, "-g", f"daemon off; pid {tmp_dir / 'nginx.pid'};"])
-        wait_for_port(port, nginx_process, error_log)
+        wait_until(
+            lambda: accepts_connections(port), nginx_process, "nginx", error_log, timeout_s=20, poll_s=0.1
+        )
         yield Cluster(instances=instances, url=f"http://127.0.0.1:{port}", access_log=tmp_dir / "access.log")
     finally:
         if nginx_process is not None:

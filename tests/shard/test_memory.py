@@ -3,9 +3,7 @@ and a real shard process started under a fake cgroup limit sizing both pools wit
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -14,9 +12,10 @@ from rill.shard.memory import available_host_memory, cgroup_room
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.runner import CPU_KV_MEMORY_FRACTION, SWAP_MEMORY_FRACTION
 
+from bench.servers import spawn, wait_until
+
 from .conftest import make_runner, save_tiny_model
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 
 
@@ -111,14 +110,9 @@ def test_a_shard_under_a_fake_cgroup_limit_sizes_its_pools_within_it(tmp_path: P
         sys.executable, "-m", "rill.shard.server", "--model-id", str(model_dir), "--socket", str(socket_path),
         "--num-threads", "1", "--cgroup-root", str(root),
     ]  # fmt: skip
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    process = spawn(command, log_path)
     try:
-        deadline = time.monotonic() + 60
-        while not socket_path.exists():
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
+        wait_until(socket_path.exists, process, "shard", log_path, timeout_s=60, poll_s=0.1)
         with grpc.insecure_channel(f"unix://{socket_path}") as channel:
             stub = shard_pb2_grpc.ShardStub(channel)
             request = shard_pb2.WarmupRequest(max_batch_tokens=32, max_batch_size=4, max_total_kv_tokens=0)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +13,11 @@ import pytest
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.server import ModelThread
 
+from bench.servers import spawn, wait_until
+
 from .conftest import save_tiny_model
 from .test_runner import hf_greedy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 4
 
 
@@ -33,32 +32,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[shard_pb2_grpc.ShardStub]:
     socket_path = tmp_path_factory.mktemp("sock") / "shard.sock"
     log_path = socket_path.with_suffix(".log")
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rill.shard.server",
-                "--model-id",
-                str(model_dir),
-                "--socket",
-                str(socket_path),
-                "--kv-block-size",
-                str(BLOCK_SIZE),
-                "--num-threads",
-                "1",
-            ],
-            cwd=REPO_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    process = spawn(
+        [
+            sys.executable,
+            "-m",
+            "rill.shard.server",
+            "--model-id",
+            str(model_dir),
+            "--socket",
+            str(socket_path),
+            "--kv-block-size",
+            str(BLOCK_SIZE),
+            "--num-threads",
+            "1",
+        ],
+        log_path,
+    )
     channel = grpc.insecure_channel(f"unix://{socket_path}")
     try:
-        deadline = time.monotonic() + 60
-        while not socket_path.exists():
-            assert process.poll() is None, f"shard exited early:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"shard did not start:\n{log_path.read_text()}"
-            time.sleep(0.1)
+        wait_until(socket_path.exists, process, "shard", log_path, timeout_s=60, poll_s=0.1)
         grpc.channel_ready_future(channel).result(timeout=30)
         yield shard_pb2_grpc.ShardStub(channel)
     finally:
