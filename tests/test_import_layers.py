@@ -1,6 +1,7 @@
-"""Imports in the `rill` package point down: every module belongs to one layer of `LAYERS`, and imports only
-from its own layer or lower ones, without a cycle. Read from the source with `ast` (every import, also
-those inside functions or under TYPE_CHECKING), so nothing is imported to check it.
+"""Imports in the `rill` package and the `bench` package above it point down: every module belongs to one
+layer of `LAYERS`, and imports only from its own layer or lower ones, without a cycle. Read from the source
+with `ast` (every import, also those inside functions or under TYPE_CHECKING), so nothing is imported to
+check it.
 
 A new module is placed in `LAYERS` (the test fails until it is); docs/architecture.md draws this graph."""
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "python"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_ROOTS = {"rill": REPO_ROOT / "python", "bench": REPO_ROOT}  # package -> the folder that holds it
 
 # Lowest first. A module is in the layer of the longest prefix that names it (a package names its modules).
 LAYERS: list[tuple[str, ...]] = [
@@ -32,19 +34,28 @@ LAYERS: list[tuple[str, ...]] = [
     ("rill.shard.runner",),
     ("rill.shard.server",),
     ("rill.launcher", "rill.__main__"),
+    # The benchmarks, above all of rill (they may import any of it; rill imports none of them).
+    ("bench", "bench.workloads", "bench.servers", "bench.kernel_cases", "bench.roofline"),
+    ("bench.client", "bench.cpu_kernels", "bench.gpu_check"),
+    ("bench.stats", "bench.runner", "bench.plots", "bench.soak"),
+    ("bench.report",),
+    ("bench.cli", "bench.__main__"),
+    ("bench.harness",),  # starts Rill and runs the cli against it, for the suites
+    ("bench.peers",),
+    ("bench.suite",),
 ]
 
 
-def find_modules(root: Path) -> dict[str, Path]:
-    """Module name -> file, for every module of the `rill` package under `root`."""
+def find_modules(root: Path, package: str = "rill") -> dict[str, Path]:
+    """Module name -> file, for every module of `package` under `root`."""
     modules = {}
-    for path in sorted((root / "rill").rglob("*.py")):
+    for path in sorted((root / package).rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
 
 
-MODULES = find_modules(PACKAGE_ROOT)
+MODULES = {name: path for package, root in PACKAGE_ROOTS.items() for name, path in find_modules(root, package).items()}
 
 
 def layer_of(module: str) -> int:
@@ -55,14 +66,15 @@ def layer_of(module: str) -> int:
                 best is None or len(prefix) > best[0]
             ):
                 best = (len(prefix), layer)
-    assert best is not None, f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}"
-    if best[0] == len("rill") and module != "rill":
+    package = module.partition(".")[0]
+    if best is None or (best[0] == len(package) and module != package):  # named only by its package
         raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name}")
     return best[1]
 
 
 def imports_of(module: str, modules: dict[str, Path]) -> set[str]:
-    """The rill modules `module` imports (a `from package import name` names the submodule when it is one)."""
+    """The rill and bench modules `module` imports (a `from package import name` names the submodule when it
+    is one)."""
     path = modules[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
@@ -76,7 +88,7 @@ def imports_of(module: str, modules: dict[str, Path]) -> set[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-    return {name for name in found if name == "rill" or name.startswith("rill.")} - {module}
+    return {name for name in found if name.partition(".")[0] in PACKAGE_ROOTS} - {module}
 
 
 GRAPH: dict[str, set[str]] = {module: imports_of(module, MODULES) for module in MODULES}
@@ -97,21 +109,48 @@ def test_imports_point_down() -> None:
     assert not upward, "imports that point up:\n" + "\n".join(upward)
 
 
-def test_no_import_cycle() -> None:
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle of `graph` (module -> the modules it imports), its first module repeated at its end;
+    None when there is none."""
     done: set[str] = set()
 
-    def visit(module: str, path: list[str]) -> None:
+    def visit(module: str, path: list[str]) -> list[str] | None:
         if module in path:
-            cycle = path[path.index(module) :] + [module]
-            raise AssertionError("import cycle: " + " -> ".join(cycle))
+            return path[path.index(module) :] + [module]
         if module in done:
-            return
-        for target in sorted(GRAPH.get(module, ())):
-            visit(target, [*path, module])
+            return None
+        for target in sorted(graph.get(module, ())):
+            if cycle := visit(target, [*path, module]):
+                return cycle
         done.add(module)
+        return None
 
-    for module in MODULES:
-        visit(module, [])
+    for module in sorted(graph):
+        if cycle := visit(module, []):
+            return cycle
+    return None
+
+
+def test_no_import_cycle() -> None:
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_checker_sees_a_cycle_within_one_layer(tmp_path: Path) -> None:
+    """Modules of one layer may import each other, but not in a circle (as bench.peers and bench.suite did,
+    from inside functions)."""
+    (tmp_path / "bench").mkdir()
+    for name, text in {
+        "__init__.py": "",
+        "peers.py": "def run():\n    from bench import suite\n",
+        "suite.py": "from bench import peers\n",
+        "cli.py": "",
+    }.items():
+        (tmp_path / "bench" / name).write_text(text)
+    modules = find_modules(tmp_path, "bench")
+    graph = {module: imports_of(module, modules) for module in modules}
+    assert find_cycle(graph) == ["bench.peers", "bench.suite", "bench.peers"]
+    assert find_cycle({**graph, "bench.suite": set()}) is None
 
 
 def test_kernels_import_nothing_of_the_shard() -> None:
