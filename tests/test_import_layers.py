@@ -55,7 +55,7 @@ def find_modules(root: Path, package: str = "rill") -> dict[str, Path]:
     return modules
 
 
-MODULES = {name: path for package, root in PACKAGE_ROOTS.items() for name, path in find_modules(root, package).items()}
+MODULES = find_modules(PACKAGE_ROOTS["rill"], "rill") | find_modules(PACKAGE_ROOTS["bench"], "bench")
 
 
 def layer_of(module: str) -> int:
