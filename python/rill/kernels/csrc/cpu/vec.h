@@ -1,5 +1,5 @@
-// Sixteen float lanes: one AVX-512 register when the build targets AVX-512 (-march=native on such a CPU), a
-// plain array otherwise. Every operation is lane-wise except the two reductions, whose order is fixed (a
+// Sixteen float lanes: one AVX-512 register when the build targets AVX-512 (-march=native on such a CPU), two
+// AVX2 registers on a CPU with AVX2 and FMA, a plain array otherwise. Every operation is lane-wise except the two reductions, whose order is fixed (a
 // halving tree), so a value computed in lane i does not depend on what the other lanes hold.
 #pragma once
 
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -141,6 +141,106 @@ inline Vec16 exp(Vec16 x) {
   y = _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
   return {_mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), y)};
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)  // two 8-lane halves, lane-wise as the other builds
+
+struct Vec16 {
+  __m256 lo, hi;
+};
+inline Vec16 zeros() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec16 broadcast(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 widen_bf16(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Vec16 load(const bf16* p) { return {widen_bf16(p), widen_bf16(p + 8)}; }
+inline void store(float* p, Vec16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+// Lane i: the bfloat16 bits of a[i] in the low half, rounded as from_float<bf16> rounds.
+inline __m256i bf16_bits(__m256 a) {
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+}
+inline void store(bf16* p, Vec16 a) {  // rounded to bfloat16
+  // packus interleaves the 128-bit halves of its two inputs; the permute puts lanes 0..15 back in order.
+  const __m256i packed = _mm256_packus_epi32(bf16_bits(a.lo), bf16_bits(a.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xd8));
+}
+inline Vec16 round_bf16(Vec16 a) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(a.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(a.hi), 16))};
+}
+#define RILL_LANEWISE(name, op) \
+  inline Vec16 name(Vec16 a, Vec16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+RILL_LANEWISE(add, _mm256_add_ps)
+RILL_LANEWISE(sub, _mm256_sub_ps)
+RILL_LANEWISE(mul, _mm256_mul_ps)
+RILL_LANEWISE(div, _mm256_div_ps)
+RILL_LANEWISE(max, _mm256_max_ps)  // a > b ? a : b, as the portable build
+#undef RILL_LANEWISE
+inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+// Bits [shift, shift + 8) of m as an all-ones / all-zeros lane mask.
+inline __m256 lane_mask(Mask m, int shift) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>((m >> shift) & 0xffu)), bits);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(set, bits));
+}
+inline Vec16 select(Mask m, Vec16 a, Vec16 b) {  // lane i: a where bit i is set, else b
+  return {_mm256_blendv_ps(b.lo, a.lo, lane_mask(m, 0)), _mm256_blendv_ps(b.hi, a.hi, lane_mask(m, 8))};
+}
+inline float reduce_add(Vec16 a) {  // the portable build's tree: lanes i + 8, then i + 4, then pairs
+  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline float reduce_max(Vec16 a) {  // in lane order, as the portable build (a NaN in lane 0 stays)
+  float v[kLanes];
+  store(v, a);
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+inline Mask mask_of(__m256 lo, __m256 hi) {
+  return static_cast<Mask>(_mm256_movemask_ps(lo)) | (static_cast<Mask>(_mm256_movemask_ps(hi)) << 8);
+}
+inline Mask is_nan(Vec16 a) {
+  return mask_of(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q), _mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q));
+}
+inline Mask equal(Vec16 a, Vec16 b) {
+  return mask_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ));
+}
+// out lane i = reduce_add(a[i]).
+__attribute__((always_inline)) inline Vec16 reduce16(const Vec16 (&a)[kLanes]) {
+  float sums[kLanes];
+  for (int i = 0; i < kLanes; ++i) sums[i] = reduce_add(a[i]);
+  return load(sums);
+}
+inline __m256 exp8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_LT_OQ);
+  const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpHi)), _mm256_set1_ps(kExpLo));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpPoly[i]));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+  return _mm256_andnot_ps(underflow, y);
+}
+inline Vec16 exp(Vec16 x) { return {exp8(x.lo), exp8(x.hi)}; }
 
 #else  // portable: the same lane-wise arithmetic on an array (compilers vectorize these loops)
 
