@@ -132,6 +132,30 @@ def run_attention_poisoned(case: AttentionCase, ops: KernelOps) -> torch.Tensor:
     return ops.paged_attention(case.q, cache.k[0], cache.v[0], meta, case.scale)
 
 
+def plain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Softmax attention of one sequence in float64, spelled out: causal mask, sliding window, softcap."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double() * scale, k)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    key_positions = torch.arange(k.shape[0])
+    hidden = key_positions[None, :] > positions[:, None]
+    if window > 0:
+        hidden |= key_positions[None, :] <= positions[:, None] - window
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
 def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| / max |e| over the whole tensor, in float32 (NaN anywhere in `actual`: inf)."""
     actual, expected = actual.float(), expected.float()

@@ -22,7 +22,7 @@ from rill.shard.layers.attention import tiled_causal_attention
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
 
-from bench.kernel_cases import AttentionCase, make_case, max_relative_error
+from bench.kernel_cases import AttentionCase, make_case, max_relative_error, plain_attention
 
 OPS = cpu.CpuOps()
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -147,30 +147,6 @@ def test_attention_takes_any_head_dim_multiple_of_16(head_dim, dtype):
     k_pool, v_pool = stored_pools(case, use_kernel=True)
     expected = reference_attention(case, as_rows(k_pool), v_pool)
     assert max_relative_error(kernel_attention(case, k_pool, v_pool), expected) < TOLERANCE[dtype]
-
-
-def plain_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
-    """Softmax attention of one sequence in float64, spelled out: causal mask, sliding window, softcap."""
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double() * scale, k)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    key_positions = torch.arange(k.shape[0])
-    hidden = key_positions[None, :] > positions[:, None]
-    if window > 0:
-        hidden |= key_positions[None, :] <= positions[:, None] - window
-    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 @pytest.mark.parametrize(("window", "softcap"), [(0, 20.0), (16, 0.0), (50, 5.0), (1, 0.0)])

@@ -22,7 +22,7 @@ from rill.kernels import triton_attention
 from rill.kernels.ops import AttentionMetadata
 from rill.shard.layers.attention import tiled_causal_attention
 
-from bench.kernel_cases import AttentionCase, make_case, max_relative_error
+from bench.kernel_cases import AttentionCase, make_case, max_relative_error, plain_attention
 
 from .conftest import IS_INTERPRETED
 
@@ -62,23 +62,11 @@ def reference(case: AttentionCase) -> torch.Tensor:
     return out
 
 
-def plain_attention(case: AttentionCase, seq: int, window: int, softcap: float) -> torch.Tensor:
-    """Softmax attention of one sequence in float64, spelled out: causal mask, sliding window, softcap."""
+def sequence_plain_attention(case: AttentionCase, seq: int, window: int, softcap: float) -> torch.Tensor:
+    """`plain_attention` (float64, spelled out) of sequence `seq` of the case."""
     start, end = case.cu_seqlens_q[seq], case.cu_seqlens_q[seq + 1]
-    q, positions = case.q[start:end], case.positions[start:end]
     k, v = gathered(case, seq)
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double() * case.scale, k)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    key_positions = torch.arange(k.shape[0])
-    hidden = key_positions[None, :] > positions[:, None]
-    if window > 0:
-        hidden |= key_positions[None, :] <= positions[:, None] - window
-    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    return plain_attention(case.q[start:end], k, v, case.positions[start:end], case.scale, window, softcap)
 
 
 def attend(case: AttentionCase, meta: AttentionMetadata | None = None, **options: float) -> torch.Tensor:
@@ -164,7 +152,7 @@ def test_sliding_window_and_softcap_match_plain_torch_with_released_blocks(windo
     out = attend(case, meta, sliding_window=window, softcap=softcap)
     for seq in range(len(case.context_lens)):
         start, end = case.cu_seqlens_q[seq], case.cu_seqlens_q[seq + 1]
-        expected = plain_attention(case, seq, window, softcap)
+        expected = sequence_plain_attention(case, seq, window, softcap)
         assert max_relative_error(out[start:end], expected) < TOLERANCE[dtype]
 
 
@@ -201,7 +189,7 @@ def test_prefill_equals_chunks_equals_decode_rows(dtype, window, softcap):
     case = make_case([num_tokens], [num_tokens], 3, 1, 64, 16, dtype, device="cpu", seed=7)
     options = dict(sliding_window=window, softcap=softcap)
     prefill = attend(case, **options)
-    assert max_relative_error(prefill, plain_attention(case, 0, window, softcap)) < TOLERANCE[dtype]
+    assert max_relative_error(prefill, sequence_plain_attention(case, 0, window, softcap)) < TOLERANCE[dtype]
     # The same positions as chunks (one call, each chunk a batch entry; then each chunk its own call) ...
     bounds = [0, 10, 37, 100, 139, num_tokens]
     chunks = [(0, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

@@ -18,7 +18,14 @@ from torch import nn
 from rill.kernels.ops import KernelOps
 from rill.shard import distributed
 from rill.shard.layers.backend import KernelLayer
-from rill.shard.layers.linear import PackedWeight, copy_into, invariant_matmul, loaded_shape, read_part
+from rill.shard.layers.linear import (
+    PackedWeight,
+    copy_into,
+    invariant_matmul,
+    loaded_shape,
+    pack_for,
+    read_part,
+)
 
 
 class VocabParallel(nn.Module):
@@ -71,10 +78,7 @@ class LMHead(VocabParallel, KernelLayer):
 
     def use_ops(self, ops: KernelOps | None) -> None:
         super().use_ops(ops)
-        if self.ops is not None and self.packed is None:
-            self.packed = PackedWeight(self.weight, self.ops)
-            if self.packed.tensor is not self.weight and not self.is_tied:
-                self.weight = None  # the packed copy replaces it
+        self.packed = pack_for(self, keep_weight=self.is_tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -50,6 +50,18 @@ class PackedWeight:
         return self.ops.linear(x, self.tensor, self.out_features)
 
 
+def pack_for(layer: Any, keep_weight: bool) -> PackedWeight | None:
+    """The packed weight of a layer (a `Linear`, the LM head) whose ops provide `linear`, packed once (None
+    while it has neither ops nor a packed weight); unless `keep_weight` (a tied weight others read), the
+    packed copy replaces the layer's `weight`."""
+    if layer.ops is None or layer.packed is not None:
+        return layer.packed
+    packed = PackedWeight(layer.weight, layer.ops)
+    if packed.tensor is not layer.weight and not keep_weight:
+        layer.weight = None
+    return packed
+
+
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` for x of shape [rows, in] with torch's matmul; in float32 row r of the result depends
     only on row r of x (rows padded to a multiple of ROW_MULTIPLE)."""
@@ -114,10 +126,7 @@ class Linear(KernelLayer):
 
     def use_ops(self, ops: KernelOps | None) -> None:
         super().use_ops(ops)
-        if self.ops is not None and self.packed is None:
-            self.packed = PackedWeight(self.weight, self.ops)
-            if self.packed.tensor is not self.weight:
-                self.weight = None  # the packed copy replaces it
+        self.packed = pack_for(self, keep_weight=False)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
