@@ -1,11 +1,9 @@
-"""The backend dispatch (which kernels a runner picks, and when it falls back to the torch references), and
-the GPU kernels (rill.kernels.gpu, Triton) against the shard's torch references on a GPU.
+"""The backend dispatch: which kernels a runner picks, and when it falls back to the torch references.
 
-CPU tests always run: the kernel ops are chosen once per model (the CPU kernels under auto, the GPU's Triton
-kernels for a CUDA device, the references when they cannot run or when asked), the fused residual + RMSNorm
-equals the unfused form bitwise. GPU tests are marked `gpu` and skipped without a CUDA device; the Triton
-kernels themselves run on the CPU under the interpreter in test_triton_ops.py, and bench/gpu_check.py is the
-full sweep with timings.
+The kernel ops are chosen once per model (the CPU kernels under auto, the GPU's Triton kernels for a CUDA
+device, the references when they cannot run or when asked); the fused residual + RMSNorm equals the unfused
+form bitwise. The Triton kernels themselves are tested in test_triton_ops.py and test_triton_attention.py (on
+the CPU under Triton's interpreter without a GPU), and bench/gpu_check.py checks and times them at GPU sizes.
 """
 
 from __future__ import annotations
@@ -21,16 +19,10 @@ from rill.launcher import shard_command
 from rill.shard.config import ShardConfig
 from rill.shard.layers.backend import KernelLayer
 from rill.shard.layers.norm import RMSNorm
-from rill.shard.layers.rotary import RotaryEmbedding
 from rill.shard.runner import ModelRunner
 from rill.shard.server import parse_args
 
-from bench.kernel_cases import make_case, max_relative_error, run_attention, run_attention_poisoned
-
 from .conftest import make_runner, save_tiny_model
-
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
 def test_backend_flag_must_match_the_device(tmp_path):
@@ -147,68 +139,3 @@ def test_fused_add_norm_equals_unfused_reference(dtype):
     out, new_residual = norm(x, residual)
     assert torch.equal(new_residual, residual + x)
     assert torch.equal(out, norm(residual + x))
-
-
-# GPU tests
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    ("head_dim", "num_heads", "num_kv_heads", "block_size"),
-    [(64, 8, 8, 16), (128, 32, 8, 32), (64, 16, 2, 16)],
-)
-def test_decode_attention_matches_reference(dtype, head_dim, num_heads, num_kv_heads, block_size):
-    case = make_case([1] * 5, [1, 17, 300, 1000, 2049], num_heads, num_kv_heads, head_dim, block_size, dtype)
-    expected, k_ref, v_ref = run_attention(case, None)
-    actual, k_out, v_out = run_attention(case, gpu.GpuOps())
-    assert max_relative_error(actual, expected) <= TOLERANCE[dtype]
-    assert torch.equal(k_out.nan_to_num(7.0), k_ref.nan_to_num(7.0))
-    assert torch.equal(v_out.nan_to_num(7.0), v_ref.nan_to_num(7.0))
-    assert max_relative_error(run_attention_poisoned(case, gpu.GpuOps()), expected) <= TOLERANCE[dtype]
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(64, 4, 4), (128, 32, 8), (64, 16, 1)])
-def test_prefill_attention_matches_reference(dtype, head_dim, num_heads, num_kv_heads):
-    # A fresh prompt, a chunk after a cached prefix, a decode token, in one mixed call.
-    case = make_case([40, 33, 1], [40, 300, 77], num_heads, num_kv_heads, head_dim, 16, dtype)
-    expected, _, _ = run_attention(case, None)
-    assert max_relative_error(run_attention(case, gpu.GpuOps())[0], expected) <= TOLERANCE[dtype]
-    assert max_relative_error(run_attention_poisoned(case, gpu.GpuOps()), expected) <= TOLERANCE[dtype]
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_and_rotary_match_reference(dtype):
-    torch.manual_seed(0)
-    norm = RMSNorm(576, 1e-5).to(dtype).cuda()
-    norm.weight.data = torch.randn(576, device="cuda").to(dtype)
-    rotary = RotaryEmbedding(64, 500000.0, None)
-    rotary.inv_freq = rotary.inv_freq.cuda()
-    x, residual = torch.randn(33, 576, device="cuda").to(dtype), torch.randn(33, 576, device="cuda").to(dtype)
-    qkv = torch.randn(33, (9 + 2 * 3) * 64, device="cuda").to(dtype)
-    positions = torch.randint(0, 30000, (33,), device="cuda")
-    expected_out, expected_residual = norm(x, residual)
-    expected_plain = norm(x)
-    q_ref, k_ref = rotary(
-        positions, qkv[:, : 9 * 64].view(33, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(33, 3, 64)
-    )
-    norm.use_ops(gpu.GpuOps())
-    rotary.use_ops(gpu.GpuOps())
-    out, new_residual = norm(x, residual)
-    plain = norm(x)
-    qkv_kernel = qkv.clone()
-    rotary(
-        positions,
-        qkv_kernel[:, : 9 * 64].view(33, 9, 64),
-        qkv_kernel[:, 9 * 64 : 12 * 64].view(33, 3, 64),
-    )
-    assert torch.equal(new_residual, expected_residual)
-    assert max_relative_error(out, expected_out) <= TOLERANCE[dtype]
-    assert max_relative_error(plain, expected_plain) <= TOLERANCE[dtype]
-    assert max_relative_error(qkv_kernel[:, : 9 * 64].view(33, 9, 64), q_ref) <= TOLERANCE[dtype]
-    assert max_relative_error(qkv_kernel[:, 9 * 64 : 12 * 64].view(33, 3, 64), k_ref) <= TOLERANCE[dtype]
-    assert torch.equal(qkv_kernel[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v untouched
