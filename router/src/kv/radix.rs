@@ -19,10 +19,13 @@
 //!   held, by the sequence that inserts them). Only blocks nobody else holds are evicted.
 //!
 //! Eviction is LRU over leaves: a node goes only after all its descendants, because a child's K/V are
-//! only meaningful after its parent's. A held block therefore *pins* itself and its ancestors; the tree
-//! keeps, per node, how many of its children are pinned, so the number of evictable blocks is known at
-//! every step in O(1) and a change of hold costs O(1) (O(depth) at worst). The LRU clock is logical (one
-//! tick per match or insert), never the wall clock.
+//! only meaningful after its parent's. A held block is therefore *needed*, and so are its ancestors.
+//! Besides sequences, session pins (`KvPool::pin`) may keep cached blocks: a pinned block is *kept*, and
+//! so are its ancestors, but nobody reads it, so dropping the pin makes it evictable again. The tree keeps,
+//! per node, how many of its children are needed and how many kept, so the number of evictable blocks
+//! (neither) and of reclaimable ones (not needed: evictable once the pins go) is known at every step in
+//! O(1), and a change of hold or pin costs O(1) (O(depth) at worst). The LRU clock is logical (one tick per
+//! match or insert), never the wall clock.
 
 use std::{
     cmp::Reverse,
@@ -58,14 +61,37 @@ struct Node {
     last_access: u64,
     /// A sequence holds the block (besides the cache).
     is_held: bool,
-    /// Children that are pinned: held, or with a held descendant.
-    num_pinned_children: u32,
+    /// Session pins on the block (see `KvPool::pin`); they hold no allocator reference.
+    num_pins: u32,
+    /// Children that are needed (see [`Mark::Needed`]).
+    num_needed_children: u32,
+    /// Children that are kept (see [`Mark::Kept`]).
+    num_kept_children: u32,
+}
+
+/// What the tree counts per node and in total, each computed from the node's own state and its
+/// children's marks alone, so the two propagate independently.
+#[derive(Debug, Clone, Copy)]
+enum Mark {
+    /// A sequence holds the block, or a descendant (whose K/V need it): it must stay.
+    Needed,
+    /// Held or pinned, or a descendant is: eviction skips it. Needed implies kept.
+    Kept,
 }
 
 impl Node {
-    /// Whether eviction must keep this block: it is held, or a descendant is (whose K/V need it).
-    fn is_pinned(&self) -> bool {
-        self.is_held || self.num_pinned_children > 0
+    fn has(&self, mark: Mark) -> bool {
+        match mark {
+            Mark::Needed => self.is_held || self.num_needed_children > 0,
+            Mark::Kept => self.is_held || self.num_pins > 0 || self.num_kept_children > 0,
+        }
+    }
+
+    fn num_children_with(&mut self, mark: Mark) -> &mut u32 {
+        match mark {
+            Mark::Needed => &mut self.num_needed_children,
+            Mark::Kept => &mut self.num_kept_children,
+        }
     }
 }
 
@@ -83,7 +109,11 @@ pub struct RadixCache {
     node_of_block: Vec<Option<NodeId>>,
     /// Live nodes, i.e. cached blocks.
     num_cached_blocks: usize,
-    /// Nodes that are pinned (see [`Node::is_pinned`]).
+    /// Nodes that are needed (see [`Mark::Needed`]).
+    num_needed: usize,
+    /// Nodes that are kept (see [`Mark::Kept`]).
+    num_kept: usize,
+    /// Nodes with at least one session pin.
     num_pinned: usize,
     /// Eviction candidates `(last_access, node)`, oldest first. Lazily invalidated: an entry counts only
     /// while its node is alive, is a leaf and still has that `last_access`. Every live leaf has a valid
@@ -104,6 +134,8 @@ impl RadixCache {
             roots: HashMap::new(),
             node_of_block: Vec::new(),
             num_cached_blocks: 0,
+            num_needed: 0,
+            num_kept: 0,
             num_pinned: 0,
             candidates: BinaryHeap::new(),
             clock: 0,
@@ -187,11 +219,11 @@ impl RadixCache {
         added
     }
 
-    /// Removes up to `num_blocks` blocks, least recently used first, among leaves nobody holds. Evicting a
-    /// leaf can make its parent a leaf, which is then a candidate in the same call; a held block keeps its
-    /// ancestors cached. Returns the evicted ids (fewer than asked when nothing else is evictable): the
-    /// caller frees exactly those. Cost: O((evicted + skipped) log n), where skipped counts the held leaves
-    /// found on the way.
+    /// Removes up to `num_blocks` blocks, least recently used first, among leaves nobody holds or pins.
+    /// Evicting a leaf can make its parent a leaf, which is then a candidate in the same call; a held or
+    /// pinned block keeps its ancestors cached. Returns the evicted ids (fewer than asked when nothing else
+    /// is evictable): the caller frees exactly those. Cost: O((evicted + skipped) log n), where skipped
+    /// counts the held or pinned leaves found on the way.
     pub fn evict(&mut self, num_blocks: usize) -> Vec<u32> {
         let mut evicted = Vec::new();
         let mut skipped = Vec::new();
@@ -203,7 +235,7 @@ impl RadixCache {
                 continue;
             }
             let node = self.node(id);
-            if node.is_held {
+            if node.has(Mark::Kept) {
                 skipped.push(Reverse((stamp, id)));
                 continue;
             }
@@ -220,10 +252,45 @@ impl RadixCache {
         evicted
     }
 
-    /// How many blocks [`evict`](Self::evict) could free right now: those neither held nor an ancestor of
-    /// a held one. O(1).
+    /// How many blocks [`evict`](Self::evict) could free right now: those neither held nor pinned nor an
+    /// ancestor of such a block. O(1).
     pub fn num_evictable(&self) -> usize {
-        self.num_cached_blocks - self.num_pinned
+        self.num_cached_blocks - self.num_kept
+    }
+
+    /// How many blocks [`evict`](Self::evict) could free once every pin is removed: those neither held nor
+    /// an ancestor of a held one. O(1).
+    pub fn num_reclaimable(&self) -> usize {
+        self.num_cached_blocks - self.num_needed
+    }
+
+    /// Blocks with at least one session pin. O(1).
+    pub fn num_pinned_blocks(&self) -> usize {
+        self.num_pinned
+    }
+
+    /// Whether the cached `block` has a session pin (false when it is not cached).
+    pub fn is_pinned(&self, block: u32) -> bool {
+        self.node_id(block).is_some_and(|id| self.node(id).num_pins > 0)
+    }
+
+    /// Adds (`delta` = 1) or removes (`delta` = -1) one session pin on the cached `block`: eviction skips a
+    /// pinned block and its ancestors. Nothing happens for a block the cache does not hold. O(1), or
+    /// O(depth) when the change keeps or frees a chain of ancestors.
+    ///
+    /// Panics when removing a pin the block does not have (a caller bug).
+    pub fn change_pins(&mut self, block: u32, delta: i32) {
+        let Some(id) = self.node_id(block) else { return };
+        let node = self.node_mut(id);
+        let was_kept = node.has(Mark::Kept);
+        let was_pinned = node.num_pins > 0;
+        node.num_pins = node
+            .num_pins
+            .checked_add_signed(delta)
+            .expect("a block loses only pins it has");
+        let is_pinned = node.num_pins > 0;
+        self.num_pinned = self.num_pinned + usize::from(is_pinned) - usize::from(was_pinned);
+        self.propagate(id, Mark::Kept, was_kept);
     }
 
     /// Blocks the cache holds (one allocator reference each).
@@ -246,16 +313,17 @@ impl RadixCache {
     pub fn set_held(&mut self, block: u32, held: bool) {
         let Some(id) = self.node_id(block) else { return };
         let node = self.node_mut(id);
-        let was_pinned = node.is_pinned();
+        let (was_needed, was_kept) = (node.has(Mark::Needed), node.has(Mark::Kept));
         node.is_held = held;
-        self.update_pins(id, was_pinned);
+        self.propagate(id, Mark::Needed, was_needed);
+        self.propagate(id, Mark::Kept, was_kept);
     }
 
     /// Panics if the tree is inconsistent: a block cached twice, parent/child links or the block index
     /// disagreeing, an edge of the wrong length, counts off, or a leaf missing from the eviction candidates.
     /// O(n log n); for tests and debug builds.
     pub fn check_invariants(&self) {
-        let (mut num_live, mut num_pinned) = (0, 0);
+        let (mut num_live, mut num_needed, mut num_kept, mut num_pinned) = (0, 0, 0, 0);
         for (id, slot) in self.nodes.iter().enumerate() {
             let Some(node) = slot else { continue };
             num_live += 1;
@@ -270,12 +338,20 @@ impl RadixCache {
                 "node {id}: block {} indexed elsewhere (cached twice?)",
                 node.block
             );
-            let num_pinned_children = node.children.values().filter(|&&c| self.node(c).is_pinned()).count();
-            assert_eq!(
-                node.num_pinned_children as usize, num_pinned_children,
-                "node {id}: pinned children miscounted"
+            for (mark, counted) in [
+                (Mark::Needed, node.num_needed_children),
+                (Mark::Kept, node.num_kept_children),
+            ] {
+                let num_children = node.children.values().filter(|&&c| self.node(c).has(mark)).count();
+                assert_eq!(counted as usize, num_children, "node {id}: {mark:?} children miscounted");
+            }
+            assert!(
+                !node.has(Mark::Needed) || node.has(Mark::Kept),
+                "node {id}: needed but not kept"
             );
-            num_pinned += usize::from(node.is_pinned());
+            num_needed += usize::from(node.has(Mark::Needed));
+            num_kept += usize::from(node.has(Mark::Kept));
+            num_pinned += usize::from(node.num_pins > 0);
             assert!(node.last_access <= self.clock, "node {id}: stamp from the future");
             let siblings = match node.parent {
                 Some(parent) => {
@@ -325,6 +401,8 @@ impl RadixCache {
         assert_eq!(num_live, self.num_cached_blocks, "cached blocks miscounted");
         let num_indexed = self.node_of_block.iter().flatten().count();
         assert_eq!(num_live, num_indexed, "block index and nodes disagree");
+        assert_eq!(num_needed, self.num_needed, "needed nodes miscounted");
+        assert_eq!(num_kept, self.num_kept, "kept nodes miscounted");
         assert_eq!(num_pinned, self.num_pinned, "pinned nodes miscounted");
         let mut free_slots = self.free_slots.clone();
         free_slots.sort_unstable();
@@ -355,28 +433,33 @@ impl RadixCache {
         self.node_of_block.get(block as usize).copied().flatten()
     }
 
-    /// After `id`'s own hold or pinned children changed: if that changed whether it is pinned, count it
-    /// and tell its parent, and so on up while pinned-ness keeps changing.
-    fn update_pins(&mut self, mut id: NodeId, mut was_pinned: bool) {
+    /// After `id`'s own hold, pins or marked children changed: if that changed whether it has `mark`,
+    /// count it and tell its parent, and so on up while the mark keeps changing.
+    fn propagate(&mut self, mut id: NodeId, mark: Mark, mut had_mark: bool) {
         loop {
             let node = self.node(id);
-            let is_pinned = node.is_pinned();
-            if is_pinned == was_pinned {
+            let has_mark = node.has(mark);
+            if has_mark == had_mark {
                 return;
             }
             let parent = node.parent;
-            if is_pinned {
-                self.num_pinned += 1;
+            let total = match mark {
+                Mark::Needed => &mut self.num_needed,
+                Mark::Kept => &mut self.num_kept,
+            };
+            if has_mark {
+                *total += 1;
             } else {
-                self.num_pinned -= 1;
+                *total -= 1;
             }
             let Some(parent) = parent else { return };
             let parent_node = self.node_mut(parent);
-            was_pinned = parent_node.is_pinned();
-            if is_pinned {
-                parent_node.num_pinned_children += 1;
+            had_mark = parent_node.has(mark);
+            let num_children = parent_node.num_children_with(mark);
+            if has_mark {
+                *num_children += 1;
             } else {
-                parent_node.num_pinned_children -= 1;
+                *num_children -= 1;
             }
             id = parent;
         }
@@ -407,7 +490,9 @@ impl RadixCache {
             children: HashMap::new(),
             last_access: now,
             is_held: true,
-            num_pinned_children: 0,
+            num_pins: 0,
+            num_needed_children: 0,
+            num_kept_children: 0,
         };
         let id = match self.free_slots.pop() {
             Some(id) => {
@@ -430,14 +515,15 @@ impl RadixCache {
         }
         self.node_of_block[index] = Some(id);
         self.num_cached_blocks += 1;
-        self.update_pins(id, false);
+        self.propagate(id, Mark::Needed, false);
+        self.propagate(id, Mark::Kept, false);
         id
     }
 
     /// Unlinks a leaf and frees its slot; returns its parent.
     fn remove_leaf(&mut self, id: NodeId) -> Option<NodeId> {
         let node = self.nodes[id].take().expect("evicting a live node");
-        debug_assert!(!node.is_pinned(), "evicting a pinned node");
+        debug_assert!(!node.has(Mark::Kept), "evicting a kept node");
         self.free_slots.push(id);
         self.node_of_block[node.block as usize] = None;
         self.num_cached_blocks -= 1;
@@ -623,7 +709,7 @@ mod tests {
         cache.insert(0, &[4, 4], &[20]);
         assert_eq!(cache.num_evictable(), 0, "blocks enter held");
         let_go(&mut cache, &[10, 12, 20]);
-        assert_eq!(cache.num_evictable(), 2, "10 is pinned by its held child 11");
+        assert_eq!(cache.num_evictable(), 2, "10 is needed by its held child 11");
         let mut evicted = cache.evict(10);
         evicted.sort_unstable();
         assert_eq!(evicted, vec![12, 20]);
@@ -635,6 +721,33 @@ mod tests {
         assert_eq!(cache.num_evictable(), 2);
         cache.check_invariants();
         assert_eq!(cache.evict(10), vec![11, 10]);
+        cache.check_invariants();
+    }
+
+    #[test]
+    fn a_pinned_block_and_its_ancestors_stay_until_the_pin_goes() {
+        let mut cache = RadixCache::new(2);
+        cache.insert(0, &[1, 1, 2, 2, 3, 3], &[10, 11, 12]);
+        cache.insert(0, &[4, 4], &[20]);
+        let_go(&mut cache, &[10, 11, 12, 20]);
+        cache.change_pins(11, 1);
+        cache.change_pins(11, 1);
+        assert_eq!(cache.num_pinned_blocks(), 1);
+        assert_eq!(cache.num_evictable(), 2, "12 and 20; 10 is kept by its pinned child");
+        assert_eq!(cache.num_reclaimable(), 4, "pins only keep: every block could go");
+        let mut evicted = cache.evict(9);
+        evicted.sort_unstable();
+        assert_eq!(evicted, vec![12, 20]);
+        // A sequence holding the pinned block makes it needed; pins and holds count apart.
+        cache.set_held(11, true);
+        assert_eq!(cache.num_reclaimable(), 0);
+        cache.change_pins(11, -1);
+        cache.change_pins(11, -1);
+        assert_eq!(cache.num_pinned_blocks(), 0);
+        assert_eq!(cache.evict(9), Vec::<u32>::new(), "still held");
+        let_go(&mut cache, &[11]);
+        cache.check_invariants();
+        assert_eq!(cache.evict(9), vec![11, 10]);
         cache.check_invariants();
     }
 
@@ -669,6 +782,8 @@ mod tests {
         cache: RadixCache,
         sequences: Vec<Sequence>,
         contents: HashMap<u32, (u64, Vec<u32>)>,
+        /// Session pins: the cached blocks of each, a chain from a root.
+        pins: Vec<Vec<u32>>,
         /// How often the interesting cases happened, so the test proves it reached them.
         stats: Stats,
     }
@@ -679,6 +794,7 @@ mod tests {
         num_evicted_to_allocate: usize,
         num_allocation_failures: usize,
         num_kept_other_block: usize,
+        num_pinned_blocks: usize,
     }
 
     impl World {
@@ -700,24 +816,43 @@ mod tests {
             }
         }
 
-        /// The evictable blocks counted the slow way, from the allocator's reference counts: the cached
-        /// blocks none of whose descendants (themselves included) a sequence holds.
-        fn num_evictable_by_ref_counts(&self) -> usize {
+        /// The evictable blocks counted the slow way, from the allocator's reference counts and the
+        /// world's pins: the cached blocks none of whose descendants (themselves included) a sequence
+        /// holds or, with `count_pins`, a pin names.
+        fn num_evictable_by_ref_counts(&self, count_pins: bool) -> usize {
             let nodes = &self.cache.nodes;
-            let mut is_pinned = vec![false; nodes.len()];
+            let pinned: HashSet<u32> = self.pins.iter().flatten().copied().collect();
+            let mut is_kept = vec![false; nodes.len()];
             for (id, slot) in nodes.iter().enumerate() {
                 let Some(node) = slot else { continue };
-                let mut current = (self.allocator.ref_count(node.block) > 1).then_some(id);
-                while let Some(c) = current.filter(|&c| !is_pinned[c]) {
-                    is_pinned[c] = true;
+                let is_pinned = count_pins && pinned.contains(&node.block);
+                let mut current = (self.allocator.ref_count(node.block) > 1 || is_pinned).then_some(id);
+                while let Some(c) = current.filter(|&c| !is_kept[c]) {
+                    is_kept[c] = true;
                     current = nodes[c].as_ref().and_then(|n| n.parent);
                 }
             }
             nodes
                 .iter()
-                .zip(&is_pinned)
-                .filter(|(slot, &pinned)| slot.is_some() && !pinned)
+                .zip(&is_kept)
+                .filter(|(slot, &kept)| slot.is_some() && !kept)
                 .count()
+        }
+
+        /// Pins the cached prefix of `tokens`, as `KvPool::pin` does.
+        fn pin(&mut self, salt: u64, tokens: &[u32]) {
+            let hit = self.cache.match_prefix(salt, tokens);
+            for &block in &hit.blocks {
+                self.cache.change_pins(block, 1);
+            }
+            self.stats.num_pinned_blocks += hit.blocks.len();
+            self.pins.push(hit.blocks);
+        }
+
+        fn unpin(&mut self, pin: usize) {
+            for block in self.pins.swap_remove(pin) {
+                self.cache.change_pins(block, -1);
+            }
         }
 
         /// Allocates `num_blocks`, evicting unreferenced cached blocks first when the pool is short, as the
@@ -869,7 +1004,10 @@ mod tests {
                 self.allocator.num_usable_blocks()
             );
             let num_evictable = self.cache.num_evictable();
-            assert_eq!(num_evictable, self.num_evictable_by_ref_counts());
+            assert_eq!(num_evictable, self.num_evictable_by_ref_counts(true));
+            assert_eq!(self.cache.num_reclaimable(), self.num_evictable_by_ref_counts(false));
+            let pinned: HashSet<u32> = self.pins.iter().flatten().copied().collect();
+            assert_eq!(self.cache.num_pinned_blocks(), pinned.len());
             assert!(num_evictable <= num_cached_only as usize);
             assert_eq!(self.cache.clone().evict(usize::MAX).len(), num_evictable);
             for block in 1..=self.allocator.num_usable_blocks() {
@@ -895,6 +1033,7 @@ mod tests {
             cache: RadixCache::new(block_size),
             sequences: Vec::new(),
             contents: HashMap::new(),
+            pins: Vec::new(),
             stats: Stats::default(),
         };
         for _ in 0..num_operations {
@@ -925,6 +1064,12 @@ mod tests {
                 let sequence = rng.random_range(0..num_sequences);
                 let num_tokens = rng.random_range(0..=world.sequences[sequence].tokens.len());
                 world.insert(sequence, num_tokens);
+            } else if roll < 71 && !recent.is_empty() {
+                let tokens = recent[rng.random_range(0..recent.len())].clone();
+                world.pin(salt, &tokens);
+            } else if roll < 73 && !world.pins.is_empty() {
+                let pin = rng.random_range(0..world.pins.len());
+                world.unpin(pin);
             } else if roll < 75 {
                 let num_tokens = rng.random_range(0..=MAX_BLOCKS_PER_SEQUENCE * block_size);
                 let tokens: Vec<u32> = (0..num_tokens).map(|_| rng.random_range(0..VOCAB)).collect();
@@ -947,12 +1092,22 @@ mod tests {
             stats.num_hit_tokens > 0
                 && stats.num_evicted_to_allocate > 0
                 && stats.num_allocation_failures > 0
-                && stats.num_kept_other_block > 0,
+                && stats.num_kept_other_block > 0
+                && stats.num_pinned_blocks > 0,
             "the operations should reach every case: {stats:?}"
         );
         eprintln!("block_size {block_size}: {stats:?}");
         while !world.sequences.is_empty() {
             world.release(0);
+        }
+        world.evict(usize::MAX);
+        assert_eq!(
+            world.cache.num_cached_blocks(),
+            world.pins.iter().flatten().collect::<HashSet<_>>().len(),
+            "pinned chains stay"
+        );
+        while !world.pins.is_empty() {
+            world.unpin(0);
         }
         world.evict(usize::MAX);
         world.check();
