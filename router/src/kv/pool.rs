@@ -15,28 +15,90 @@
 //! (evictable, like any cached block nobody holds) and a later prompt with the same prefix still hits. A
 //! cached path is always a complete chain from the root: an insertion stops at the first null entry whose
 //! block the cache no longer has (evicted meanwhile), so a hit never includes a released block.
+//!
+//! Session pins ([`KvPool::pin`]): a finished sequence of an agent session may pin its cached prefix under
+//! a key until a deadline, so the next turn hits it even after other traffic churned the cache. A pin adds
+//! no allocator reference: pinned blocks are cached blocks that eviction skips, and they count as
+//! available. When blocks are needed they come, in this order, from the free list, from unpinned cached
+//! blocks nobody holds (LRU), from pinned ones (the pin that lapses first goes first, whole), and only then
+//! does the scheduler preempt (it sees pinned blocks as available, so it never preempts for them). Pinned
+//! blocks are at most `max_pinned_blocks` (`--max-pinned-kv-fraction` of the pool): a new pin beyond it
+//! releases the oldest pins; a prefix longer than the whole bound pins its first `max_pinned_blocks`.
+//! Expired pins are released by [`KvPool::expire_pins`], which the engine calls every iteration and when
+//! the earliest deadline passes while idle.
 
-use super::{BlockAllocator, PrefixMatch, RadixCache};
+use std::time::Instant;
+
+use super::{
+    pins::{PinKey, PinTable},
+    BlockAllocator, PrefixMatch, RadixCache,
+};
 
 /// What one operation did to the cache, for the metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct CacheActivity {
     pub num_inserted_blocks: usize,
     pub num_evicted_blocks: usize,
+    /// Session pins released because an allocation needed their blocks.
+    pub num_pins_released_under_pressure: usize,
+}
+
+/// What [`KvPool::pin`] did, for the metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PinOutcome {
+    /// Blocks the new pin keeps (0: nothing was pinned).
+    pub num_blocks: usize,
+    /// Older pins released to keep the pinned blocks within the bound.
+    pub num_released_for_bound: usize,
 }
 
 pub struct KvPool {
     allocator: BlockAllocator,
     cache: Option<RadixCache>,
+    pins: PinTable,
+    /// The most blocks pins may keep at once (distinct blocks); 0 turns pins off.
+    max_pinned_blocks: usize,
 }
 
 impl KvPool {
     /// `num_blocks` as Warmup reported (the null block included); `prefix_caching` turns the cache on.
+    /// Session pins are off until [`with_max_pinned_fraction`](Self::with_max_pinned_fraction).
     pub fn new(num_blocks: u32, block_size: usize, prefix_caching: bool) -> Self {
         Self {
             allocator: BlockAllocator::new(num_blocks),
             cache: prefix_caching.then(|| RadixCache::new(block_size)),
+            pins: PinTable::default(),
+            max_pinned_blocks: 0,
         }
+    }
+
+    /// Lets session pins keep up to `fraction` (in [0, 1]) of the usable blocks.
+    pub fn with_max_pinned_fraction(mut self, fraction: f64) -> Self {
+        self.max_pinned_blocks = (f64::from(self.num_usable_blocks()) * fraction) as usize;
+        self
+    }
+
+    /// The most blocks pins may keep at once (0 without a prefix cache).
+    pub fn max_pinned_blocks(&self) -> usize {
+        if self.cache.is_some() {
+            self.max_pinned_blocks
+        } else {
+            0
+        }
+    }
+
+    /// Blocks kept by at least one pin.
+    pub fn num_pinned_blocks(&self) -> usize {
+        self.cache.as_ref().map_or(0, RadixCache::num_pinned_blocks)
+    }
+
+    pub fn num_pins(&self) -> usize {
+        self.pins.num_pins()
+    }
+
+    /// When the first pin lapses, if any does.
+    pub fn next_pin_deadline(&self) -> Option<Instant> {
+        self.pins.next_deadline()
     }
 
     pub fn num_usable_blocks(&self) -> u32 {
@@ -51,10 +113,11 @@ impl KvPool {
         self.cache.as_ref().map_or(0, RadixCache::num_cached_blocks)
     }
 
-    /// Blocks an allocation can get now: free ones plus evictable cached ones. O(1).
+    /// Blocks an allocation can get now: free ones plus cached ones no sequence needs (pinned ones
+    /// included: an allocation releases pins before it fails). O(1).
     pub fn num_available_blocks(&self) -> usize {
-        let num_evictable = self.cache.as_ref().map_or(0, RadixCache::num_evictable);
-        self.allocator.num_free_blocks() as usize + num_evictable
+        let num_reclaimable = self.cache.as_ref().map_or(0, RadixCache::num_reclaimable);
+        self.allocator.num_free_blocks() as usize + num_reclaimable
     }
 
     /// The longest cached prefix of `tokens` in full blocks, at most `max_tokens` long. Nothing is held:
@@ -86,19 +149,77 @@ impl KvPool {
         }
     }
 
-    /// Takes `num_blocks` blocks, evicting least recently used cached blocks when the free list is short.
+    /// Takes `num_blocks` blocks, evicting least recently used cached blocks when the free list is short,
+    /// and when those are not enough, releasing pins (the one that lapses first first) and evicting again.
     pub fn allocate(&mut self, num_blocks: usize, activity: &mut CacheActivity) -> Option<Vec<u32>> {
-        let num_free = self.allocator.num_free_blocks() as usize;
-        if num_free < num_blocks {
-            if let Some(cache) = self.cache.as_mut() {
+        if let Some(cache) = self.cache.as_mut() {
+            loop {
+                let num_free = self.allocator.num_free_blocks() as usize;
+                if num_free >= num_blocks {
+                    break;
+                }
                 let evicted = cache.evict(num_blocks - num_free);
                 self.allocator
                     .free(&evicted)
                     .expect("the cache held the blocks it evicted");
                 activity.num_evicted_blocks += evicted.len();
+                if self.allocator.num_free_blocks() as usize >= num_blocks {
+                    break;
+                }
+                let Some(pin) = self.pins.take_soonest() else { break };
+                unpin(cache, &pin.blocks);
+                activity.num_pins_released_under_pressure += 1;
             }
         }
         self.allocator.allocate(num_blocks as u32)
+    }
+
+    /// Pins the cached prefix of `tokens` under `key` until `deadline`, replacing the key's earlier pin
+    /// (blocks both name stay kept). Call it after the sequence's blocks entered the cache. Within the
+    /// bound: a prefix longer than it pins its first `max_pinned_blocks`, and older pins are released
+    /// until the pinned blocks fit. Without a prefix cache, or with pins off, nothing is pinned.
+    pub fn pin(&mut self, key: PinKey, tokens: &[u32], deadline: Instant) -> PinOutcome {
+        let max_pinned_blocks = self.max_pinned_blocks();
+        let Some(cache) = self.cache.as_mut().filter(|_| max_pinned_blocks > 0) else {
+            return PinOutcome::default();
+        };
+        let mut blocks = cache.match_prefix(key.salt, tokens).blocks;
+        blocks.truncate(max_pinned_blocks);
+        for &block in &blocks {
+            cache.change_pins(block, 1);
+        }
+        let mut outcome = PinOutcome {
+            num_blocks: blocks.len(),
+            num_released_for_bound: 0,
+        };
+        let replaced = if blocks.is_empty() {
+            None
+        } else {
+            self.pins.insert(key.clone(), blocks, deadline)
+        };
+        if let Some(replaced) = replaced {
+            unpin(cache, &replaced.blocks);
+        }
+        while cache.num_pinned_blocks() > max_pinned_blocks {
+            let oldest = self
+                .pins
+                .take_oldest_except(&key)
+                .expect("the new pin alone fits the bound");
+            unpin(cache, &oldest.blocks);
+            outcome.num_released_for_bound += 1;
+        }
+        outcome
+    }
+
+    /// Releases every pin whose deadline is `now` or earlier; returns how many.
+    pub fn expire_pins(&mut self, now: Instant) -> usize {
+        let expired = self.pins.take_expired(now);
+        if let Some(cache) = self.cache.as_mut() {
+            for pin in &expired {
+                unpin(cache, &pin.blocks);
+            }
+        }
+        expired.len()
     }
 
     /// Drops a sequence's hold on its blocks; null entries (released out of a sliding window) hold nothing
@@ -168,11 +289,21 @@ impl KvPool {
     }
 
     /// Panics if the allocator or the cache is inconsistent, or they disagree: a cached block is held by a
-    /// sequence exactly when the allocator counts a holder besides the cache.
+    /// sequence exactly when the allocator counts a holder besides the cache; every pinned block is cached
+    /// and the pinned blocks fit the bound.
     pub fn check_invariants(&self) {
         self.allocator.check_invariants();
         if let Some(cache) = &self.cache {
             cache.check_invariants();
+            let mut pinned: Vec<u32> = self.pins.iter().flat_map(|pin| pin.blocks.iter().copied()).collect();
+            assert!(
+                pinned.iter().all(|&b| cache.contains_block(b)),
+                "a pinned block left the cache"
+            );
+            pinned.sort_unstable();
+            pinned.dedup();
+            assert_eq!(pinned.len(), cache.num_pinned_blocks(), "pinned blocks miscounted");
+            assert!(pinned.len() <= self.max_pinned_blocks, "pins beyond the bound");
             for block in 1..=self.allocator.num_usable_blocks() {
                 if let Some(is_held) = cache.is_held(block) {
                     assert_eq!(
@@ -186,8 +317,17 @@ impl KvPool {
     }
 }
 
+/// Removes one pin from each of `blocks`.
+fn unpin(cache: &mut RadixCache, blocks: &[u32]) {
+    for &block in blocks {
+        cache.change_pins(block, -1);
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -236,6 +376,158 @@ mod tests {
         pool.release(&evicting);
         pool.check_invariants();
         assert_eq!(pool.num_free_blocks(), 4);
+    }
+
+    fn pin_key(name: &str) -> PinKey {
+        PinKey {
+            salt: 0,
+            key: name.into(),
+        }
+    }
+
+    /// Runs a sequence of `tokens` on fresh blocks, caches it and releases it, as a finished request does.
+    fn finish(pool: &mut KvPool, tokens: &[u32]) -> Vec<u32> {
+        let mut activity = CacheActivity::default();
+        let blocks = pool.allocate(tokens.len().div_ceil(2), &mut activity).expect("room");
+        pool.cache(0, tokens, &blocks, &mut activity);
+        pool.release(&blocks);
+        blocks
+    }
+
+    #[test]
+    fn a_pin_keeps_its_prefix_through_churn_until_it_expires() {
+        let now = Instant::now();
+        let mut pool = KvPool::new(9, 2, true).with_max_pinned_fraction(0.5); // 8 blocks, 4 pinnable
+        let session = finish(&mut pool, &[1, 2, 3, 4, 5]);
+        let outcome = pool.pin(pin_key("s"), &[1, 2, 3, 4, 5], now + Duration::from_secs(10));
+        assert_eq!(outcome.num_blocks, 2, "the partial block is not cached, so not pinned");
+        assert_eq!((pool.num_pins(), pool.num_pinned_blocks()), (1, 2));
+        assert_eq!(
+            pool.num_available_blocks(),
+            8,
+            "pinned blocks are available, as a last resort"
+        );
+        // Other traffic churns every unpinned block, twice over: the pinned prefix stays.
+        let mut activity = CacheActivity::default();
+        for round in 0..2 {
+            let other: Vec<u32> = (0..12).map(|t| 100 + round * 20 + t).collect();
+            finish(&mut pool, &other);
+            pool.check_invariants();
+        }
+        assert_eq!(pool.match_prefix(0, &[1, 2, 3, 4, 5], 5).blocks, session[..2]);
+        assert_eq!(pool.expire_pins(now + Duration::from_secs(9)), 0);
+        assert_eq!(pool.next_pin_deadline(), Some(now + Duration::from_secs(10)));
+        assert_eq!(pool.expire_pins(now + Duration::from_secs(10)), 1);
+        assert_eq!((pool.num_pins(), pool.num_pinned_blocks()), (0, 0));
+        let taken = pool.allocate(8, &mut activity).expect("everything is evictable again");
+        assert_eq!(activity.num_pins_released_under_pressure, 0);
+        pool.release(&taken);
+        pool.check_invariants();
+    }
+
+    #[test]
+    fn the_next_turn_replaces_the_pin_and_shared_blocks_stay_kept() {
+        let now = Instant::now();
+        let mut pool = KvPool::new(17, 2, true).with_max_pinned_fraction(0.5);
+        finish(&mut pool, &[1, 2, 3, 4]);
+        pool.pin(pin_key("s"), &[1, 2, 3, 4], now + Duration::from_secs(10));
+        let turn2 = finish(&mut pool, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        pool.pin(pin_key("s"), &[1, 2, 3, 4, 5, 6, 7, 8], now + Duration::from_secs(20));
+        assert_eq!((pool.num_pins(), pool.num_pinned_blocks()), (1, 4));
+        assert_eq!(pool.next_pin_deadline(), Some(now + Duration::from_secs(20)));
+        // Another salt's pin of the same key is another pin.
+        let salted = PinKey {
+            salt: 3,
+            key: "s".into(),
+        };
+        assert_eq!(
+            pool.pin(salted, &[1, 2, 3, 4], now).num_blocks,
+            0,
+            "nothing cached under salt 3"
+        );
+        let mut activity = CacheActivity::default();
+        let taken = pool.allocate(12, &mut activity).expect("the unpinned blocks");
+        assert_eq!(activity.num_pins_released_under_pressure, 0);
+        let hit = pool.match_prefix(0, &[1, 2, 3, 4, 5, 6, 7, 8], 8);
+        assert_eq!(hit.num_tokens, 8);
+        assert_eq!(hit.blocks.len(), 4);
+        assert!(hit.blocks[2..] == turn2[2..], "the second turn's own blocks");
+        pool.release(&taken);
+        pool.check_invariants();
+    }
+
+    #[test]
+    fn pins_beyond_the_bound_release_the_oldest_and_a_long_prefix_is_cut() {
+        let now = Instant::now();
+        let deadline = now + Duration::from_secs(10);
+        let mut pool = KvPool::new(21, 2, true).with_max_pinned_fraction(0.25); // 20 blocks, 5 pinnable
+        assert_eq!(pool.max_pinned_blocks(), 5);
+        finish(&mut pool, &[1, 1, 2, 2]);
+        finish(&mut pool, &[3, 3, 4, 4]);
+        finish(&mut pool, &[5, 5, 6, 6, 7, 7]);
+        assert_eq!(
+            pool.pin(pin_key("a"), &[1, 1, 2, 2], deadline).num_released_for_bound,
+            0
+        );
+        assert_eq!(
+            pool.pin(pin_key("b"), &[3, 3, 4, 4], deadline).num_released_for_bound,
+            0
+        );
+        let outcome = pool.pin(pin_key("c"), &[5, 5, 6, 6, 7, 7], deadline);
+        assert_eq!(outcome.num_released_for_bound, 1, "a, the oldest, goes");
+        assert_eq!((pool.num_pins(), pool.num_pinned_blocks()), (2, 5));
+        let long: Vec<u32> = (0..16).collect();
+        let blocks = finish(&mut pool, &long);
+        let outcome = pool.pin(pin_key("d"), &long, deadline);
+        assert_eq!(outcome.num_blocks, 5, "cut to the bound");
+        assert_eq!(outcome.num_released_for_bound, 2);
+        assert_eq!(pool.num_pinned_blocks(), 5);
+        pool.check_invariants();
+        let mut activity = CacheActivity::default();
+        let taken = pool.allocate(15, &mut activity).expect("the unpinned blocks");
+        assert_eq!(pool.match_prefix(0, &long, 16).blocks, blocks[..5]);
+        pool.release(&taken);
+        // Without a prefix cache nothing is pinned.
+        let mut uncached = KvPool::new(21, 2, false).with_max_pinned_fraction(0.25);
+        assert_eq!(uncached.max_pinned_blocks(), 0);
+        assert_eq!(uncached.pin(pin_key("a"), &[1, 1], deadline), PinOutcome::default());
+    }
+
+    #[test]
+    fn under_pressure_unpinned_blocks_go_first_then_the_pin_that_lapses_first() {
+        let now = Instant::now();
+        let mut pool = KvPool::new(11, 2, true).with_max_pinned_fraction(0.5); // 10 blocks, 5 pinnable
+        finish(&mut pool, &[1, 1, 2, 2]);
+        finish(&mut pool, &[3, 3, 4, 4]);
+        finish(&mut pool, &[9, 9, 8, 8]);
+        pool.pin(pin_key("late"), &[1, 1, 2, 2], now + Duration::from_secs(20));
+        pool.pin(pin_key("soon"), &[3, 3, 4, 4], now + Duration::from_secs(10));
+        let mut activity = CacheActivity::default();
+        let first = pool.allocate(6, &mut activity).expect("free and unpinned blocks");
+        assert_eq!(
+            (activity.num_evicted_blocks, activity.num_pins_released_under_pressure),
+            (2, 0)
+        );
+        let second = pool
+            .allocate(1, &mut activity)
+            .expect("a pinned block, its pin released");
+        assert_eq!(activity.num_pins_released_under_pressure, 1);
+        assert_eq!(pool.num_pins(), 1);
+        assert_eq!(
+            pool.match_prefix(0, &[3, 3, 4, 4], 4).num_tokens,
+            2,
+            "soon's tail was evicted"
+        );
+        assert_eq!(pool.match_prefix(0, &[1, 1, 2, 2], 4).num_tokens, 4, "late is whole");
+        assert_eq!(pool.num_available_blocks(), 3);
+        let third = pool.allocate(3, &mut activity).expect("the rest");
+        assert_eq!(activity.num_pins_released_under_pressure, 2);
+        assert!(pool.allocate(1, &mut activity).is_none());
+        for blocks in [first, second, third] {
+            pool.release(&blocks);
+        }
+        pool.check_invariants();
+        assert_eq!(pool.num_available_blocks(), 10);
     }
 
     /// A sequence of `num_tokens` tokens decoded one by one with a window of `window` tokens on blocks of

@@ -269,11 +269,6 @@ impl RadixCache {
         self.num_pinned
     }
 
-    /// Whether the cached `block` has a session pin (false when it is not cached).
-    pub fn is_pinned(&self, block: u32) -> bool {
-        self.node_id(block).is_some_and(|id| self.node(id).num_pins > 0)
-    }
-
     /// Adds (`delta` = 1) or removes (`delta` = -1) one session pin on the cached `block`: eviction skips a
     /// pinned block and its ancestors. Nothing happens for a block the cache does not hold. O(1), or
     /// O(depth) when the change keeps or frees a chain of ancestors.
@@ -343,7 +338,10 @@ impl RadixCache {
                 (Mark::Kept, node.num_kept_children),
             ] {
                 let num_children = node.children.values().filter(|&&c| self.node(c).has(mark)).count();
-                assert_eq!(counted as usize, num_children, "node {id}: {mark:?} children miscounted");
+                assert_eq!(
+                    counted as usize, num_children,
+                    "node {id}: {mark:?} children miscounted"
+                );
             }
             assert!(
                 !node.has(Mark::Needed) || node.has(Mark::Kept),
