@@ -91,6 +91,18 @@ pub struct Args {
     /// Turn off the prefix cache (on by default: computed prompt blocks are kept and reused).
     #[arg(long, env = "RILL_NO_PREFIX_CACHING")]
     pub no_prefix_caching: bool,
+    /// Seconds a session pin keeps a finished request's cached prefix (prompt and output) from eviction
+    /// when the request asks for a pin without a TTL (OpenAI's `prompt_cache_key`).
+    #[arg(long, env = "RILL_CACHE_PIN_TTL", default_value_t = 300)]
+    pub cache_pin_ttl: u64,
+    /// Longest TTL of a session pin, in seconds; a request asking for longer gets this.
+    #[arg(long, env = "RILL_MAX_CACHE_PIN_TTL", default_value_t = 3600)]
+    pub max_cache_pin_ttl: u64,
+    /// Most of the KV pool session pins may keep, as a fraction in [0, 1]; a new pin beyond it releases the
+    /// oldest pins. Pinned blocks still give way under memory pressure (before any preemption). 0 turns
+    /// pins off.
+    #[arg(long, env = "RILL_MAX_PINNED_KV_FRACTION", default_value_t = 0.25)]
+    pub max_pinned_kv_fraction: f64,
     /// On SIGTERM: refuse new requests (503) and let requests in flight finish for up to this many seconds.
     #[arg(long, env = "RILL_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -226,6 +238,10 @@ pub struct LimitsConfig {
     pub request_timeout: Option<Duration>,
     /// `--max-unread-tokens`: token events a client may leave unread before it is cut off.
     pub max_unread_tokens: usize,
+    /// `--cache-pin-ttl`: a session pin's TTL when the request gives none.
+    pub cache_pin_ttl: Duration,
+    /// `--max-cache-pin-ttl`: the longest TTL a session pin gets.
+    pub max_cache_pin_ttl: Duration,
 }
 
 impl LimitsConfig {
@@ -261,6 +277,8 @@ pub struct BatchConfig {
     pub target_itl_ms: Option<f64>,
     pub max_queue_time: Option<Duration>,
     pub prefix_caching: bool,
+    /// `--max-pinned-kv-fraction`: the share of the KV pool session pins may keep.
+    pub max_pinned_kv_fraction: f64,
     pub preemption_mode: PreemptionMode,
     /// Host swap pool per shard, in bytes; 0 with `--preemption-mode recompute`; None: the shards size it.
     pub swap_space_bytes: Option<u64>,
@@ -336,6 +354,17 @@ impl Config {
                 "--cors-allow-origin takes `*` or an origin like https://app.example.com (no path), got {origin:?}"
             );
         }
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&args.max_pinned_kv_fraction),
+            "--max-pinned-kv-fraction must be in [0, 1], got {}",
+            args.max_pinned_kv_fraction
+        );
+        anyhow::ensure!(
+            args.cache_pin_ttl > 0 && args.cache_pin_ttl <= args.max_cache_pin_ttl,
+            "--cache-pin-ttl ({}) must be positive and at most --max-cache-pin-ttl ({})",
+            args.cache_pin_ttl,
+            args.max_cache_pin_ttl
+        );
         if let Some(target) = args.target_itl_ms {
             anyhow::ensure!(target > 0.0, "--target-itl-ms must be positive, got {target}");
         }
@@ -370,6 +399,8 @@ impl Config {
                 max_waiting_requests: args.max_waiting_requests,
                 request_timeout: args.request_timeout.map(Duration::from_secs_f64),
                 max_unread_tokens: args.max_unread_tokens,
+                cache_pin_ttl: Duration::from_secs(args.cache_pin_ttl),
+                max_cache_pin_ttl: Duration::from_secs(args.max_cache_pin_ttl),
             },
             batch: BatchConfig {
                 max_batch_tokens: args.max_batch_tokens,
@@ -380,6 +411,7 @@ impl Config {
                 target_itl_ms: args.target_itl_ms,
                 max_queue_time: (args.max_queue_time > 0).then(|| Duration::from_secs(args.max_queue_time)),
                 prefix_caching: !args.no_prefix_caching,
+                max_pinned_kv_fraction: args.max_pinned_kv_fraction,
                 preemption_mode: args.preemption_mode.into(),
                 swap_space_bytes: if args.preemption_mode == PreemptionModeArg::Recompute {
                     Some(0)

@@ -37,6 +37,30 @@ impl Outcome {
     }
 }
 
+/// Why a session pin was released before the next turn replaced it, the label values of
+/// `rill_kv_pins_released_total`.
+#[derive(Debug, Clone, Copy)]
+pub enum PinRelease {
+    /// Its TTL ran out.
+    Expired,
+    /// An allocation needed its blocks (after every unpinned cached block was evicted).
+    Pressure,
+    /// A newer pin needed room within `--max-pinned-kv-fraction` (the oldest pins go first).
+    Bound,
+}
+
+impl PinRelease {
+    const ALL: [PinRelease; 3] = [PinRelease::Expired, PinRelease::Pressure, PinRelease::Bound];
+
+    fn label(self) -> &'static str {
+        match self {
+            PinRelease::Expired => "expired",
+            PinRelease::Pressure => "pressure",
+            PinRelease::Bound => "bound",
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     requests: IntCounterVec,
@@ -47,6 +71,13 @@ pub struct Metrics {
     /// Cached blocks no sequence holds: they serve prefix hits and are evicted when blocks run short.
     pub kv_blocks_cached_idle: IntGauge,
     pub prefix_cache_blocks: IntGauge,
+    /// Session pins in force, and the cached blocks they keep from eviction.
+    pub kv_pins: IntGauge,
+    pub kv_pinned_blocks: IntGauge,
+    /// Session pins made (a finished request with a `cache_pin`, e.g. `prompt_cache_key`).
+    pub pins_created: IntCounter,
+    /// Session pins released before their key's next turn replaced them, by `reason` (`PinRelease`).
+    pins_released: IntCounterVec,
     pub prefix_cache_queried_tokens: IntCounter,
     pub prefix_cache_hit_tokens: IntCounter,
     pub prefix_cache_inserted_blocks: IntCounter,
@@ -153,9 +184,38 @@ impl Metrics {
             kv_blocks_cached_idle: gauge(
                 &registry,
                 "rill_kv_blocks_cached_idle",
-                "Cached KV blocks no sequence holds (evictable)",
+                "Cached KV blocks no sequence holds (evictable; pinned ones last)",
             ),
             prefix_cache_blocks: gauge(&registry, "rill_prefix_cache_blocks", "KV blocks in the prefix cache"),
+            kv_pins: gauge(&registry, "rill_kv_pins", "Session pins in force"),
+            kv_pinned_blocks: gauge(
+                &registry,
+                "rill_kv_pinned_blocks",
+                "Cached KV blocks session pins keep from eviction",
+            ),
+            pins_created: counter(
+                &registry,
+                "rill_kv_pins_created_total",
+                "Session pins made by finished requests (prompt_cache_key)",
+            ),
+            pins_released: {
+                let released = register(
+                    &registry,
+                    IntCounterVec::new(
+                        Opts::new(
+                            "rill_kv_pins_released_total",
+                            "Session pins released, by reason: expired, pressure (blocks were needed), bound \
+                             (--max-pinned-kv-fraction)",
+                        ),
+                        &["reason"],
+                    )
+                    .expect("valid counter"),
+                );
+                for reason in PinRelease::ALL {
+                    released.with_label_values(&[reason.label()]);
+                }
+                released
+            },
             prefix_cache_queried_tokens: counter(
                 &registry,
                 "rill_prefix_cache_queried_tokens_total",
@@ -333,6 +393,17 @@ impl Metrics {
             "other"
         };
         self.ignored_request_fields.with_label_values(&[label]).inc();
+    }
+
+    pub fn count_pins_released(&self, reason: PinRelease, num_pins: usize) {
+        self.pins_released
+            .with_label_values(&[reason.label()])
+            .inc_by(num_pins as u64);
+    }
+
+    #[cfg(test)]
+    pub fn num_pins_released(&self, reason: PinRelease) -> u64 {
+        self.pins_released.with_label_values(&[reason.label()]).get()
     }
 
     pub fn count_request(&self, outcome: Outcome) {

@@ -19,6 +19,9 @@ const MIN_TIMEOUT_S: f64 = 1e-3;
 /// Most alternatives per position a request may ask logprobs for.
 pub const MAX_TOP_N_TOKENS: u32 = 20;
 
+/// Longest session key of a cache pin, in bytes.
+pub const MAX_CACHE_PIN_KEY_BYTES: usize = 1024;
+
 #[derive(Debug, Error)]
 pub enum ValidationError {
     #[error("`{0}` must not be empty")]
@@ -48,6 +51,8 @@ pub enum ValidationError {
     NoGrammarSupport,
     #[error("grammar compilation failed: {0}")]
     GrammarCompile(String),
+    #[error("`{0}` must be a non-empty session key of at most {MAX_CACHE_PIN_KEY_BYTES} bytes, got {1} bytes")]
+    CachePinKey(&'static str, usize),
 }
 
 impl ValidationError {
@@ -58,7 +63,8 @@ impl ValidationError {
             | ValidationError::MaxNewTokensZero(f)
             | ValidationError::OutOfRange(f, _, _)
             | ValidationError::TokenOutOfVocab(_, f, _)
-            | ValidationError::InvalidGrammar(f, _) => Some(f),
+            | ValidationError::InvalidGrammar(f, _)
+            | ValidationError::CachePinKey(f, _) => Some(f),
             ValidationError::TotalTooLong(.., f) | ValidationError::ExceedsKvPool(.., f) => Some(f),
             ValidationError::TooManyStops(..) | ValidationError::EmptyStop => Some("stop"),
             _ => None,
@@ -75,6 +81,46 @@ pub enum Prompt {
         add_special_tokens: bool,
     },
     Tokens(Vec<u32>),
+}
+
+/// A request's ask to keep the KV of its prefix cached after it finishes normally, for an agent session's
+/// next turn: the sequence's cached blocks (prompt and output) are pinned under `key`, within the
+/// request's `cache_salt` namespace, for `ttl`, so eviction passes them by until then (see `KvPool::pin`).
+/// The next pin of the same key replaces it. Every API maps its session hint onto one of these:
+/// `CachePin::new("prompt_cache_key", key)` for the server's default TTL, `.with_ttl(ttl)` for another
+/// (clamped to `--max-cache-pin-ttl`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachePin {
+    /// The API field that gave the key, for error messages.
+    pub field: &'static str,
+    /// The session key: non-empty, at most `MAX_CACHE_PIN_KEY_BYTES`.
+    pub key: String,
+    /// How long the pin lasts from the request's end; None = `--cache-pin-ttl`.
+    pub ttl: Option<Duration>,
+}
+
+impl CachePin {
+    /// A pin of `key` (from the API field `field`) for the server's default TTL.
+    pub fn new(field: &'static str, key: impl Into<String>) -> Self {
+        Self {
+            field,
+            key: key.into(),
+            ttl: None,
+        }
+    }
+
+    /// The same pin for `ttl` (clamped to `--max-cache-pin-ttl`).
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = Some(ttl);
+        self
+    }
+}
+
+/// A checked `CachePin`: its TTL resolved within the server's bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidCachePin {
+    pub key: String,
+    pub ttl: Duration,
 }
 
 /// A generation request in the terms shared by every API, before checking.
@@ -113,6 +159,8 @@ pub struct GenerateInput {
     pub grammar: Option<(GrammarSpec, &'static str)>,
     /// Seconds the request may take from arrival to its last token (`timeout`).
     pub timeout: Option<f64>,
+    /// Keep the finished sequence's prefix cached for the session's next turn.
+    pub cache_pin: Option<CachePin>,
 }
 
 impl GenerateInput {
@@ -145,6 +193,7 @@ impl GenerateInput {
             cache_salt: None,
             grammar: None,
             timeout: None,
+            cache_pin: None,
         }
     }
 }
@@ -195,6 +244,8 @@ pub struct ValidRequest {
     /// How long the request may take from arrival to its last token: the shorter of its own `timeout`
     /// and `--request-timeout`; None = no limit.
     pub timeout: Option<Duration>,
+    /// Pin the finished sequence's cached prefix under this key for this long.
+    pub cache_pin: Option<ValidCachePin>,
 }
 
 /// Checks requests against the limits, the vocabulary and the KV pool size; tokenizes off the runtime.
@@ -403,6 +454,16 @@ impl Validator {
                 t,
             )?;
         }
+        let cache_pin = match input.cache_pin {
+            Some(pin) if pin.key.is_empty() || pin.key.len() > MAX_CACHE_PIN_KEY_BYTES => {
+                return Err(ValidationError::CachePinKey(pin.field, pin.key.len()));
+            }
+            Some(pin) => Some(ValidCachePin {
+                key: pin.key,
+                ttl: pin.ttl.unwrap_or(limits.cache_pin_ttl).min(limits.max_cache_pin_ttl),
+            }),
+            None => None,
+        };
         // The request's own timeout may shorten --request-timeout, never lengthen it.
         let timeout = input
             .timeout
@@ -445,6 +506,7 @@ impl Validator {
             cache_salt: input.cache_salt.as_deref().map_or(0, salt_namespace),
             grammar: None,
             timeout,
+            cache_pin,
         })
     }
 }
@@ -471,6 +533,8 @@ mod tests {
             max_waiting_requests: 4,
             request_timeout: Some(Duration::from_secs(60)),
             max_unread_tokens: 8,
+            cache_pin_ttl: Duration::from_secs(300),
+            max_cache_pin_ttl: Duration::from_secs(3600),
         };
         Validator::new(Arc::new(tokenizer), limits, 100, 16)
     }
@@ -492,6 +556,35 @@ mod tests {
         assert_eq!(valid.max_new_tokens, 13);
         assert!(!valid.sampling.do_sample);
         assert!(!valid.sampling.has_penalty());
+    }
+
+    #[test]
+    fn cache_pins_get_the_default_ttl_within_the_bound_and_a_checked_key() {
+        let pin = |edit: fn(CachePin) -> CachePin| {
+            check_input(
+                2,
+                input(|i| i.cache_pin = Some(edit(CachePin::new("prompt_cache_key", "s")))),
+            )
+            .map(|valid| valid.cache_pin.expect("pinned"))
+        };
+        let ttl = |pin: Result<ValidCachePin, _>| pin.expect("valid").ttl;
+        assert_eq!(ttl(pin(|p| p)), Duration::from_secs(300));
+        assert_eq!(
+            ttl(pin(|p| p.with_ttl(Duration::from_secs(60)))),
+            Duration::from_secs(60)
+        );
+        assert_eq!(
+            ttl(pin(|p| p.with_ttl(Duration::from_secs(86_400)))),
+            Duration::from_secs(3600),
+            "clamped to --max-cache-pin-ttl"
+        );
+        assert_eq!(pin(|p| p).expect("valid").key, "s");
+        for key in [String::new(), "k".repeat(MAX_CACHE_PIN_KEY_BYTES + 1)] {
+            let error = check_input(2, input(|i| i.cache_pin = Some(CachePin::new("prompt_cache_key", key))))
+                .expect_err("a bad key");
+            assert_eq!(error.param(), Some("prompt_cache_key"));
+        }
+        assert_eq!(check_input(2, input(|_| {})).expect("valid").cache_pin, None);
     }
 
     #[test]

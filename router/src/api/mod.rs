@@ -243,6 +243,23 @@ pub struct KvInfo {
     /// Blocks running sequences released since start because the window had left them (they went to the
     /// prefix cache, or were freed).
     pub window_released_blocks: u64,
+    /// Session pins (`prompt_cache_key`): finished requests' cached prefixes kept from eviction.
+    pub pins: PinInfo,
+}
+
+/// Session pins as the engine last published them, and their bounds.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct PinInfo {
+    /// Pins in force.
+    pub pins: u32,
+    /// Cached blocks they keep (counted in `cached_blocks` unless a sequence holds them).
+    pub pinned_blocks: u32,
+    /// The most blocks pins may keep (`--max-pinned-kv-fraction` of the pool; 0: pins are off).
+    pub max_pinned_blocks: u32,
+    /// A pin's TTL when the request gives none (`--cache-pin-ttl`), in seconds.
+    pub default_ttl_s: u64,
+    /// The longest TTL a pin gets (`--max-cache-pin-ttl`), in seconds.
+    pub max_ttl_s: u64,
 }
 
 /// Error body of the native API.

@@ -87,8 +87,6 @@ pub struct InertFields {
     pub best_of: Option<u32>,
     /// Identifies the end user to OpenAI's abuse monitoring; recorded nowhere. Always accepted.
     pub safety_identifier: Option<String>,
-    /// OpenAI's cache-routing hint; Rill's prefix cache needs none. Always accepted.
-    pub prompt_cache_key: Option<String>,
 }
 
 /// Sampling fields shared by both endpoints. (No `flatten` inside: a nested flattened struct would see
@@ -129,6 +127,10 @@ pub struct SamplingFields {
     pub priority: Option<i32>,
     /// vLLM extension: prefix-cache isolation; requests with different salts never share cached blocks.
     pub cache_salt: Option<String>,
+    /// A session key (at most 1024 bytes): when the request finishes, the KV of its prompt and output stays
+    /// pinned in the prefix cache under this key (and `cache_salt`) for `--cache-pin-ttl` seconds, so the
+    /// session's next turn hits it even after other traffic. The next request with the key replaces the pin.
+    pub prompt_cache_key: Option<String>,
     /// Seconds the request may take from arrival to its last token (the OpenAI clients' `timeout`, sent
     /// as a body field); past it, 504 (or an SSE `error` event). In [0.001, 1000000]; `--request-timeout`,
     /// when set, is the most it can be.

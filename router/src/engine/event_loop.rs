@@ -36,6 +36,8 @@ pub struct EngineConfig {
     pub warmup: pb::WarmupRequest,
     /// Whether the KV pool keeps a prefix cache (`--no-prefix-caching` turns it off).
     pub prefix_caching: bool,
+    /// The share of the KV pool session pins may keep (`--max-pinned-kv-fraction`).
+    pub max_pinned_kv_fraction: f64,
     /// How preempted sequences give up their blocks (`--preemption-mode`), and the swap pool's size.
     pub preemption: PreemptionConfig,
 }
@@ -49,6 +51,7 @@ pub struct EngineCore {
     pub(super) max_queue_time: Option<Duration>,
     pub(super) warmup: pb::WarmupRequest,
     pub(super) prefix_caching: bool,
+    pub(super) max_pinned_kv_fraction: f64,
     pub(super) kv: KvPool,
     pub(super) queues: Queues,
     pub(super) swap: SwapPool,
@@ -80,6 +83,7 @@ impl EngineCore {
             max_queue_time: config.max_queue_time,
             warmup: config.warmup,
             prefix_caching: config.prefix_caching,
+            max_pinned_kv_fraction: config.max_pinned_kv_fraction,
             kv,
             queues: Queues::default(),
             swap: SwapPool::new(config.preemption.num_host_blocks),
@@ -105,14 +109,27 @@ impl EngineCore {
         }
         loop {
             if self.queues.is_empty() {
-                match self.inbox.recv().await {
-                    Some(new) => self.queues.waiting.push_back(Sequence::new(new)),
-                    None => return,
+                // Idle: wait for a request, or for the first session pin to lapse (its blocks then count
+                // as idle cache again in the published stats).
+                let next_pin_deadline = self.kv.next_pin_deadline();
+                let pin_lapses = async move {
+                    match next_pin_deadline {
+                        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    new = self.inbox.recv() => match new {
+                        Some(new) => self.queues.waiting.push_back(Sequence::new(new)),
+                        None => return,
+                    },
+                    () = pin_lapses => {}
                 }
             }
             while let Ok(new) = self.inbox.try_recv() {
                 self.queues.waiting.push_back(Sequence::new(new));
             }
+            self.expire_pins();
             self.drop_cancelled();
             self.expire_waiting();
             self.expire_deadlines();
@@ -236,6 +253,9 @@ impl EngineCore {
         stats.num_free_blocks = self.kv.num_free_blocks();
         stats.num_cached_idle_blocks = self.kv.num_available_blocks() as u32 - self.kv.num_free_blocks();
         stats.num_prefix_cache_blocks = self.kv.num_cached_blocks() as u32;
+        stats.num_pins = self.kv.num_pins() as u32;
+        stats.num_pinned_blocks = self.kv.num_pinned_blocks() as u32;
+        stats.max_pinned_blocks = self.kv.max_pinned_blocks() as u32;
         stats.num_waiting = self.queues.waiting.len();
         stats.num_running = self.queues.running.len();
         stats.num_swapped = self.queues.swapped.len();
@@ -251,6 +271,8 @@ impl EngineCore {
         metrics
             .prefix_cache_blocks
             .set(i64::from(stats.num_prefix_cache_blocks));
+        metrics.kv_pins.set(i64::from(stats.num_pins));
+        metrics.kv_pinned_blocks.set(i64::from(stats.num_pinned_blocks));
         metrics.queue_depth.set(stats.num_waiting as i64);
         metrics.running_sequences.set(stats.num_running as i64);
         metrics.swapped_sequences.set(stats.num_swapped as i64);

@@ -78,7 +78,8 @@ impl EngineCore {
                         let blocks = seq.reset_kv();
                         debug_assert!(blocks.is_empty(), "waiting sequences hold no blocks");
                     }
-                    self.kv = KvPool::new(warmup.num_blocks, self.scheduler.config.block_size, self.prefix_caching);
+                    self.kv = KvPool::new(warmup.num_blocks, self.scheduler.config.block_size, self.prefix_caching)
+                        .with_max_pinned_fraction(self.max_pinned_kv_fraction);
                     self.scheduler.preemption = preemption_config(self.scheduler.preemption.mode, &warmup);
                     self.swap = SwapPool::new(warmup.num_host_blocks);
                     tracing::info!(blocks = warmup.num_blocks, "the shards are back; serving again");

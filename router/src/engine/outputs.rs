@@ -69,6 +69,7 @@ impl EngineCore {
             TokenOutcome::Finished => {
                 let mut seq = self.queues.running.remove(i);
                 self.count_success(&seq, now);
+                self.pin_prefix(&seq, now);
                 self.release(&mut seq);
             }
             TokenOutcome::Failed => {

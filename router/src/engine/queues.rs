@@ -124,6 +124,7 @@ mod tests {
             cache_salt: 0,
             grammar: None,
             timeout: None,
+            cache_pin: None,
         };
         let (events, receiver) = mpsc::channel(2);
         let new = NewRequest {

@@ -6,7 +6,10 @@
 use std::time::Instant;
 
 use super::{request::Sequence, EngineCore, EngineError};
-use crate::{kv::CacheActivity, metrics::Outcome};
+use crate::{
+    kv::{CacheActivity, PinKey},
+    metrics::{Outcome, PinRelease},
+};
 
 impl EngineCore {
     /// Cancels sequences whose clients have gone or were cut off for reading too slowly, wherever they
@@ -123,6 +126,31 @@ impl EngineCore {
         self.count_cache_activity(activity);
     }
 
+    /// A sequence that finished normally with a `cache_pin`: its computed blocks enter the cache and its
+    /// cached prefix (prompt and output) is pinned under the session key until `now` + the pin's TTL.
+    pub(super) fn pin_prefix(&mut self, seq: &Sequence, now: Instant) {
+        let Some(pin) = seq.cache_pin() else { return };
+        self.cache_computed(seq);
+        let key = PinKey {
+            salt: seq.cache_salt(),
+            key: pin.key.clone(),
+        };
+        let outcome = self
+            .kv
+            .pin(key, &seq.token_ids[..seq.num_computed_tokens], now + pin.ttl);
+        if outcome.num_blocks > 0 {
+            self.metrics.pins_created.inc();
+        }
+        self.metrics
+            .count_pins_released(PinRelease::Bound, outcome.num_released_for_bound);
+    }
+
+    /// Releases the session pins whose deadline has passed.
+    pub(super) fn expire_pins(&mut self) {
+        let num_expired = self.kv.expire_pins(Instant::now());
+        self.metrics.count_pins_released(PinRelease::Expired, num_expired);
+    }
+
     pub(super) fn count_cache_activity(&self, activity: CacheActivity) {
         self.metrics
             .prefix_cache_inserted_blocks
@@ -130,5 +158,7 @@ impl EngineCore {
         self.metrics
             .prefix_cache_evicted_blocks
             .inc_by(activity.num_evicted_blocks as u64);
+        self.metrics
+            .count_pins_released(PinRelease::Pressure, activity.num_pins_released_under_pressure);
     }
 }

@@ -12,7 +12,7 @@ use crate::{
     shard::pb,
     telemetry,
     text::{DetokenizeError, IncrementalDetokenizer, StopMatcher},
-    validation::ValidRequest,
+    validation::{ValidCachePin, ValidRequest},
 };
 
 pub struct Sequence {
@@ -149,6 +149,11 @@ impl Sequence {
     /// The prefix-cache namespace of this request (0 when it gave no `cache_salt`).
     pub fn cache_salt(&self) -> u64 {
         self.request.cache_salt
+    }
+
+    /// The session pin the request asks for once it finishes.
+    pub fn cache_pin(&self) -> Option<&ValidCachePin> {
+        self.request.cache_pin.as_ref()
     }
 
     pub fn num_generated_tokens(&self) -> usize {

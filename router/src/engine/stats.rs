@@ -15,6 +15,12 @@ pub struct EngineStats {
     pub num_cached_idle_blocks: u32,
     /// Device blocks in the prefix cache, held or not.
     pub num_prefix_cache_blocks: u32,
+    /// Session pins in force.
+    pub num_pins: u32,
+    /// Cached blocks session pins keep from eviction (part of the cached idle ones unless held).
+    pub num_pinned_blocks: u32,
+    /// The most blocks session pins may keep (`--max-pinned-kv-fraction` of the pool; 0: pins are off).
+    pub max_pinned_blocks: u32,
     /// Requests waiting for admission.
     pub num_waiting: usize,
     /// Sequences admitted and holding device blocks.
@@ -58,6 +64,9 @@ impl Default for EngineStats {
             num_free_blocks: 0,
             num_cached_idle_blocks: 0,
             num_prefix_cache_blocks: 0,
+            num_pins: 0,
+            num_pinned_blocks: 0,
+            max_pinned_blocks: 0,
             num_waiting: 0,
             num_running: 0,
             num_swapped: 0,

@@ -77,7 +77,8 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
     };
     let warmup = shards.warmup(warmup_request).await.context("shard Warmup failed")?;
     let block_size = shard_info.block_size as usize;
-    let kv = KvPool::new(warmup.num_blocks, block_size, config.batch.prefix_caching);
+    let kv = KvPool::new(warmup.num_blocks, block_size, config.batch.prefix_caching)
+        .with_max_pinned_fraction(config.batch.max_pinned_kv_fraction);
     let num_usable_blocks = kv.num_usable_blocks() as usize;
     anyhow::ensure!(num_usable_blocks > 0, "the shards' KV pool has no usable block");
     // Admission leaves 1% of the pool (at least one block) for running sequences to grow into.
@@ -160,6 +161,7 @@ fn engine_config(
         max_queue_time: batch.max_queue_time,
         warmup: warmup_request,
         prefix_caching: batch.prefix_caching,
+        max_pinned_kv_fraction: batch.max_pinned_kv_fraction,
         preemption: preemption_config(batch.preemption_mode, warmup),
     }
 }

@@ -12,6 +12,8 @@ mod guided;
 mod middleware;
 mod native;
 mod openai;
+#[cfg(test)]
+mod pin_tests;
 mod responder;
 pub mod serve;
 mod service;

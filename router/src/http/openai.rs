@@ -27,7 +27,7 @@ use crate::{
         FinishReason,
     },
     engine::TokenEvent,
-    validation::{GenerateInput, Prompt, ValidationError},
+    validation::{CachePin, GenerateInput, Prompt, ValidationError},
 };
 
 /// Most choices one request may ask for.
@@ -79,6 +79,10 @@ pub(super) fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields)
     input.skip_special_tokens = fields.skip_special_tokens.unwrap_or(true);
     input.priority = fields.priority.unwrap_or(0);
     input.cache_salt = fields.cache_salt.clone();
+    input.cache_pin = fields
+        .prompt_cache_key
+        .clone()
+        .map(|key| CachePin::new("prompt_cache_key", key));
     input.timeout = fields.timeout;
     if let Some(bias) = &fields.logit_bias {
         for (key, &value) in bias {

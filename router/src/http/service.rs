@@ -10,8 +10,8 @@ use utoipa::OpenApi;
 
 use super::{ApiError, AppState};
 use crate::api::{
-    AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, TokenSpan, TokenizeRequest,
-    TokenizeResponse,
+    AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, PinInfo, TokenSpan,
+    TokenizeRequest, TokenizeResponse,
 };
 use crate::engine::EngineError;
 use crate::kv::kv_window;
@@ -101,6 +101,13 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
             prompt_tokens_computed: stats.num_prompt_tokens_computed,
             kv_window: kv_window(&state.shard_info.sliding_windows) as u32,
             window_released_blocks: stats.num_window_released_blocks,
+            pins: PinInfo {
+                pins: stats.num_pins,
+                pinned_blocks: stats.num_pinned_blocks,
+                max_pinned_blocks: stats.max_pinned_blocks,
+                default_ttl_s: state.limits.cache_pin_ttl.as_secs(),
+                max_ttl_s: state.limits.max_cache_pin_ttl.as_secs(),
+            },
         },
         memory: state.memory.clone(),
         version: env!("CARGO_PKG_VERSION"),

@@ -108,6 +108,8 @@ async fn server_with(
             max_waiting_requests: max_concurrent_requests,
             request_timeout: None,
             max_unread_tokens: MAX_UNREAD_TOKENS,
+            cache_pin_ttl: Duration::from_secs(300),
+            max_cache_pin_ttl: Duration::from_secs(3600),
         },
         batch: BatchConfig {
             max_batch_tokens: 16,
@@ -118,6 +120,7 @@ async fn server_with(
             target_itl_ms: None,
             max_queue_time: None,
             prefix_caching: true,
+            max_pinned_kv_fraction: 0.25,
             preemption_mode,
             swap_space_bytes: Some(0),
             kv_admission,
@@ -168,7 +171,7 @@ async fn generate(app: &Router, inputs: &str, max_new_tokens: u32) -> Value {
 }
 
 /// Waits until the engine has nothing left and returns the blocks no sequence holds (free or cached).
-async fn idle_free_blocks(server: &TestServer) -> u32 {
+pub(super) async fn idle_free_blocks(server: &TestServer) -> u32 {
     let metrics = &server.state.engine.metrics;
     for _ in 0..200 {
         if metrics.running_sequences.get() == 0 && metrics.queue_depth.get() == 0 {
@@ -569,7 +572,7 @@ async fn a_dropped_stream_is_cancelled_and_frees_its_blocks() {
 }
 
 /// Submits `w1 w2 w3 w4 w5` for 50 tokens through the engine handle, after `edit`; returns its events.
-async fn submit_direct(
+pub(super) async fn submit_direct(
     server: &TestServer,
     edit: impl FnOnce(&mut crate::validation::ValidRequest),
 ) -> crate::engine::EventReceiver {

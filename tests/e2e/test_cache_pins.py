@@ -1,0 +1,142 @@
+"""End to end: session pins (`prompt_cache_key`) keep an agent session's KV through other traffic.
+
+A session's first turn pins its prompt and output; competing requests with other prompts churn every unpinned
+block of a small KV pool; the session's next turn (its previous prompt, output and more) still hits every
+block of the previous turn's prompt, while the same conversation without the key misses. Under memory
+pressure the pins are released instead of preempting anything, and an expired pin leaves the pool whole. A
+tiny random Llama with the default model's tokenizer keeps it cheap on the CPU.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from .conftest import Server, start_server, stop_server
+
+BLOCK_SIZE = 16
+# 32 blocks of 16 tokens; pins may keep a quarter of them (the default --max-pinned-kv-fraction).
+POOL = ("--max-batch-total-tokens", "512", "--max-batch-tokens", "256", "--max-input-tokens", "200",
+        "--max-total-tokens", "400")  # fmt: skip
+
+
+def completion(server: Server, prompt: str | list[int], max_tokens: int, **extra: object) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    response = requests.post(f"{server.url}/v1/completions", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def cached_tokens(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def metric(server: Server, name: str) -> float:
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def preemptions(server: Server) -> float:
+    return sum(metric(server, f'rill_preemptions_total{{mode="{mode}"}}') for mode in ("recompute", "swap"))
+
+
+def pins(server: Server) -> dict:
+    return server.wait_idle()["kv"]["pins"]
+
+
+def check_pool_whole(server: Server) -> None:
+    kv = server.wait_idle()["kv"]
+    assert kv["used_blocks"] == 0 and kv["free_blocks"] + kv["cached_blocks"] == kv["total_blocks"], kv
+
+
+@pytest.fixture(scope="module")
+def pinned(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tiny_model, tmp_path_factory.mktemp("pins"), *POOL)
+    yield server
+    stop_server(server)
+    assert server.process.returncode == 0, server.log_path.read_text()[-3000:]
+
+
+def test_a_pinned_session_survives_churn_and_its_next_turn_hits(pinned: Server) -> None:
+    assert pinned.info()["kv"]["block_size"] == BLOCK_SIZE
+    session = "Agent session one: list the files of the project, then read the README and summarise it."
+    control = "Agent session two: list the open issues of the project, then pick the oldest and fix it."
+    first = completion(pinned, session, 24, prompt_cache_key="agent-1")
+    completion(pinned, control, 24)
+    num_prompt_tokens = first["usage"]["prompt_tokens"]
+    # The pin holds the full blocks of what the turn computed: its prompt and output but the last token.
+    num_pinned_blocks = (num_prompt_tokens + first["usage"]["completion_tokens"] - 1) // BLOCK_SIZE
+    created = metric(pinned, "rill_kv_pins_created_total")
+    assert pins(pinned) == {
+        "pins": 1, "pinned_blocks": num_pinned_blocks, "max_pinned_blocks": 8, "default_ttl_s": 300,
+        "max_ttl_s": 3600,
+    }  # fmt: skip
+    assert metric(pinned, "rill_kv_pinned_blocks") == num_pinned_blocks
+    # Competing traffic: 12 prompts of their own, 5 blocks each, more than the whole pool over again.
+    evicted = metric(pinned, "rill_prefix_cache_evicted_blocks_total")
+    for i in range(12):
+        completion(pinned, f"Tenant {i} asks: " + " ".join(f"item{i * 100 + k}" for k in range(12)), 24)
+    total_blocks = pinned.info()["kv"]["total_blocks"]
+    assert metric(pinned, "rill_prefix_cache_evicted_blocks_total") - evicted >= total_blocks - num_pinned_blocks
+    # The next turns: the previous prompt, its output and a new request. Only the pinned session hits.
+    follow_up = " Now open the first file."
+    second = completion(pinned, session + first["choices"][0]["text"] + follow_up, 8, prompt_cache_key="agent-1")
+    # The prompt's last token may merge with the output's first when the text is tokenized again, so the
+    # block holding it is not counted on.
+    assert cached_tokens(second) >= (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    again = completion(pinned, control + first["choices"][0]["text"] + follow_up, 8)
+    assert cached_tokens(again) == 0, "the unpinned session was churned away"
+    assert pins(pinned)["pins"] == 1, "the next turn replaced the pin"
+    assert metric(pinned, "rill_kv_pins_created_total") == created + 1
+    check_pool_whole(pinned)
+
+
+def test_under_pressure_pins_go_before_anything_is_preempted(pinned: Server) -> None:
+    completion(pinned, "Agent session three: run the test suite and report what fails, one line each.", 24,
+               prompt_cache_key="agent-3")  # fmt: skip
+    before = pins(pinned)
+    assert before["pinned_blocks"] >= 2
+    released = metric(pinned, 'rill_kv_pins_released_total{reason="pressure"}')
+    preempted = preemptions(pinned)
+    # Three sequences that together fill every block but one: more than the unpinned blocks, so the pins
+    # must give way, and no sequence needs to be preempted.
+    total_blocks = pinned.info()["kv"]["total_blocks"]
+    num_blocks = (total_blocks - 1) // 3
+    assert 3 * num_blocks > total_blocks - before["pinned_blocks"]
+    rng = random.Random(35)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(96)] for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        bodies = list(pool.map(lambda prompt: completion(pinned, prompt, num_blocks * BLOCK_SIZE - 96), prompts))
+    assert [body["usage"]["completion_tokens"] for body in bodies] == [num_blocks * BLOCK_SIZE - 96] * 3
+    assert metric(pinned, 'rill_kv_pins_released_total{reason="pressure"}') > released
+    assert preemptions(pinned) == preempted
+    assert pins(pinned)["pinned_blocks"] < before["pinned_blocks"]
+    check_pool_whole(pinned)
+
+
+def test_expired_pins_leave_the_pool_whole(tiny_model: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_model, tmp_path, *POOL, "--cache-pin-ttl", "1")
+    try:
+        completion(server, "Agent session four: write a haiku about caches.", 40, prompt_cache_key="agent-4")
+        assert metric(server, "rill_kv_pins_created_total") == 1
+        deadline = time.monotonic() + 30
+        # Nothing else arrives: the engine releases the pin at its deadline by itself.
+        while pins(server)["pins"] > 0:
+            assert time.monotonic() < deadline, "the pin never expired"
+            time.sleep(0.2)
+        assert pins(server)["pinned_blocks"] == 0
+        assert metric(server, 'rill_kv_pins_released_total{reason="expired"}') == 1
+        assert metric(server, "rill_kv_pinned_blocks") == 0
+        check_pool_whole(server)
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0, server.log_path.read_text()[-3000:]
