@@ -227,7 +227,8 @@ pub struct KvInfo {
     pub total_blocks: u32,
     /// Blocks on the free list.
     pub free_blocks: u32,
-    /// Blocks only the prefix cache holds: they serve prefix hits and are evicted when blocks run short.
+    /// Blocks only the prefix cache holds: they serve prefix hits and are evicted when blocks run short
+    /// (pinned ones last, see `pins`).
     pub cached_blocks: u32,
     /// Blocks held by sequences (some of them may also be in the prefix cache).
     pub used_blocks: u32,
