@@ -2,7 +2,8 @@
 
 A session's first turn pins its prompt and output; competing requests with other prompts churn every unpinned
 block of a small KV pool; the session's next turn (its previous prompt, output and more) still hits every
-block of the previous turn's prompt, while the same conversation without the key misses. Under memory
+block of the previous turn's prompt, while the same conversation without the key misses — through raw
+`/v1/completions` and through the official `openai` SDK's chat client. Under memory
 pressure the pins are released instead of preempting anything, and an expired pin leaves the pool whole. A
 tiny random Llama with the default model's tokenizer keeps it cheap on the CPU.
 """
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 
@@ -58,6 +60,16 @@ def check_pool_whole(server: Server) -> None:
     assert kv["used_blocks"] == 0 and kv["free_blocks"] + kv["cached_blocks"] == kv["total_blocks"], kv
 
 
+def churn(server: Server, num_pinned_blocks: int) -> None:
+    """Competing traffic: 16 prompts of their own, about 6 blocks each, the whole pool three times over;
+    checks that at least as many blocks were evicted as are not pinned."""
+    evicted = metric(server, "rill_prefix_cache_evicted_blocks_total")
+    for i in range(16):
+        completion(server, f"Tenant {i} asks: " + " ".join(f"item{i * 100 + k}" for k in range(24)), 24)
+    num_unpinned_blocks = server.info()["kv"]["total_blocks"] - num_pinned_blocks
+    assert metric(server, "rill_prefix_cache_evicted_blocks_total") - evicted >= num_unpinned_blocks
+
+
 @pytest.fixture(scope="module")
 def pinned(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(tiny_model, tmp_path_factory.mktemp("pins"), *POOL)
@@ -87,12 +99,7 @@ def test_a_pinned_session_survives_churn_and_its_next_turn_hits(pinned: Server) 
         "max_ttl_s": 3600,
     }  # fmt: skip
     assert metric(pinned, "rill_kv_pinned_blocks") == num_pinned_blocks
-    # Competing traffic: 16 prompts of their own, about 6 blocks each: the whole pool three times over.
-    evicted = metric(pinned, "rill_prefix_cache_evicted_blocks_total")
-    for i in range(16):
-        completion(pinned, f"Tenant {i} asks: " + " ".join(f"item{i * 100 + k}" for k in range(24)), 24)
-    num_unpinned_blocks = pinned.info()["kv"]["total_blocks"] - num_pinned_blocks
-    assert metric(pinned, "rill_prefix_cache_evicted_blocks_total") - evicted >= num_unpinned_blocks
+    churn(pinned, num_pinned_blocks)
     # The next turns: the previous prompt, its output and a new request. Only the pinned session hits.
     follow_up = " Now open the first file."
     next_turn = session + first["choices"][0]["text"] + follow_up
@@ -104,6 +111,57 @@ def test_a_pinned_session_survives_churn_and_its_next_turn_hits(pinned: Server) 
     assert cached_tokens(again) == 0, "the unpinned session was churned away"
     assert pins(pinned)["pins"] == 1, "the next turn replaced the pin"
     assert metric(pinned, "rill_kv_pins_created_total") == created + 1
+    check_pool_whole(pinned)
+
+
+def test_an_openai_sdk_chat_session_keeps_its_cache_between_turns(pinned: Server) -> None:
+    client = openai.OpenAI(base_url=f"{pinned.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def chat(messages: list[dict], key: str | None) -> openai.types.chat.ChatCompletion:
+        extra = {"prompt_cache_key": key} if key else {}
+        return client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            **extra,
+        )
+
+    # Two conversations with their own system prompts, so they share no block; only the first has a key.
+    session = [
+        {
+            "role": "system",
+            "content": "You are a build agent. Run one shell command per turn and report its output.",
+        },
+        {"role": "user", "content": "Compile the project in release mode and tell me whether it worked."},
+    ]
+    control = [
+        {
+            "role": "system",
+            "content": "You are a docs agent. Read one page per turn and list its broken links.",
+        },
+        {"role": "user", "content": "Start with the page about deployment and then the one about flags."},
+    ]
+    replies = {}
+    for name, messages, key in (("session", session, "agent-chat"), ("control", control, None)):
+        first = chat(messages, key)
+        replies[name] = (first.usage.prompt_tokens, first.choices[0].message.content)
+    churn(pinned, pins(pinned)["pinned_blocks"])
+    for name, messages, key in (("session", session, "agent-chat"), ("control", control, None)):
+        num_prompt_tokens, reply = replies[name]
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Go on, next step."},
+        ]
+        details = chat(messages, key).usage.prompt_tokens_details
+        assert details is not None
+        if key:
+            # The template renders turn 1's prompt again as the start of turn 2's.
+            assert details.cached_tokens >= (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+        else:
+            assert details.cached_tokens == 0, "the unpinned conversation was churned away"
     check_pool_whole(pinned)
 
 
