@@ -177,7 +177,8 @@ impl KvPool {
     /// Pins the cached prefix of `tokens` under `key` until `deadline`, replacing the key's earlier pin
     /// (blocks both name stay kept). Call it after the sequence's blocks entered the cache. Within the
     /// bound: a prefix longer than it pins its first `max_pinned_blocks`, and older pins are released
-    /// until the pinned blocks fit. Without a prefix cache, or with pins off, nothing is pinned.
+    /// until the pinned blocks fit. A prefix without a full cached block pins nothing and leaves the key's
+    /// earlier pin as it is. Without a prefix cache, or with pins off, nothing is pinned.
     pub fn pin(&mut self, key: PinKey, tokens: &[u32], deadline: Instant) -> PinOutcome {
         let max_pinned_blocks = self.max_pinned_blocks();
         let Some(cache) = self.cache.as_mut().filter(|_| max_pinned_blocks > 0) else {
