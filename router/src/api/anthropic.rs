@@ -35,6 +35,9 @@ pub struct MessagesRequest {
     pub tools: Option<Vec<ToolDefinition>>,
     pub tool_choice: Option<ToolChoice>,
     pub thinking: Option<ThinkingConfig>,
+    pub output_config: Option<OutputConfig>,
+    /// A cache breakpoint at the end of the prompt.
+    pub cache_control: Option<CacheControl>,
     /// Every field not named above: ignored, with a warning in the log and
     /// `rill_ignored_request_fields_total{field}` counted.
     #[serde(flatten)]
@@ -180,7 +183,26 @@ pub enum ThinkingConfig {
         budget_tokens: u32,
     },
     Adaptive,
+    BetweenTools,
     Disabled,
+}
+
+/// How the answer should be written.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct OutputConfig {
+    /// "low" ... "max": handed to the chat template as `reasoning_effort`, for the templates that use it.
+    pub effort: Option<String>,
+    /// Structured output: the answer is JSON that validates against the schema (grammar-enforced).
+    pub format: Option<OutputFormat>,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum OutputFormat {
+    JsonSchema {
+        #[schema(value_type = Object)]
+        schema: Value,
+    },
 }
 
 /// A `/v1/messages` response, and the `message` of a stream's `message_start`.

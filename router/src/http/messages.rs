@@ -32,12 +32,14 @@ use crate::{
     api::{
         anthropic::{
             BlockDelta, CacheControl, CacheTtl, Content, ContentBlock, InputBlock, Message, MessageDelta, MessageUsage,
-            MessagesRequest, Role, StopReason, StreamEvent, ThinkingConfig, TokenCount, ToolChoice as AnthropicChoice,
+            MessagesRequest, OutputFormat, Role, StopReason, StreamEvent, ThinkingConfig, TokenCount,
+            ToolChoice as AnthropicChoice,
         },
         openai::{ChatMessage, FunctionCall, FunctionDefinition, MessageContent, Tool, ToolCall},
         FinishReason,
     },
     engine::{EndEvent, EngineError, EventReceiver},
+    grammar::GrammarSpec,
     text::tool_calls,
     validation::{GenerateInput, Prompt, ValidationError},
 };
@@ -311,6 +313,7 @@ fn convert(request: &MessagesRequest) -> Result<Conversation, ApiError> {
         return Err(ValidationError::EmptyInput("messages").into());
     }
     let mut cache = CacheBreakpoints::default();
+    cache.note(request.cache_control);
     let tools = offered_tools(request, &mut cache)?;
     let mut messages = Vec::with_capacity(request.messages.len() + 1);
     if let Some(system) = &request.system {
@@ -355,6 +358,9 @@ fn render(state: &AppState, tag: &RequestTag, request: &MessagesRequest) -> Resu
     if let Some(thinking) = request.thinking {
         variables.insert("enable_thinking".into(), (thinking != ThinkingConfig::Disabled).into());
     }
+    if let Some(effort) = request.output_config.as_ref().and_then(|config| config.effort.clone()) {
+        variables.insert("reasoning_effort".into(), effort.into());
+    }
     Ok(Rendered {
         prompt: state.render_chat(&conversation.messages, true, &variables)?,
         tools: conversation.tools,
@@ -379,7 +385,10 @@ pub async fn messages(
     // Prompt cache pins (#35 item 4) take the request's `cache_control` from here: the rendered
     // prompt is the prefix to keep, `rendered.cache_ttl` (its breakpoints' longest TTL) how long.
     tracing::debug!(request_id = %tag.id, cache_ttl = ?rendered.cache_ttl, "cache_control");
-    let grammar = output_grammar(&state, None, rendered.tools.as_ref(), &rendered.prompt).await?;
+    let format = request.output_config.as_ref().and_then(|config| config.format.as_ref());
+    let guided =
+        format.map(|OutputFormat::JsonSchema { schema }| (GrammarSpec::JsonSchema(schema.clone()), "output_config"));
+    let grammar = output_grammar(&state, guided, rendered.tools.as_ref(), &rendered.prompt).await?;
     let tool_call_format = rendered.tools.as_ref().map(|_| state.tool_call_format);
     let reader = AnswerReader::new(state.reasoning_format, tool_call_format, &rendered.prompt);
     // The template already holds the special tokens (BOS, role markers): add none when tokenizing.

@@ -187,3 +187,14 @@ async fn an_api_key_is_accepted_in_x_api_key() {
     assert_eq!(wrong["error"]["type"], "authentication_error");
     assert_eq!(send("s3cret").await.0, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn output_config_and_a_forced_tool_call_do_not_mix() {
+    let server = server(64, 16).await;
+    let tools = json!([{"name": "f", "input_schema": {"type": "object"}}]);
+    let format = json!({"format": {"type": "json_schema", "schema": {"type": "object"}}});
+    let fields = json!({"tools": tools, "tool_choice": {"type": "any"}, "output_config": format});
+    let (status, _, text) = post(&server.app, "/v1/messages", body(fields)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("`output_config`"), "{text}");
+}
