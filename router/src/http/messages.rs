@@ -26,7 +26,7 @@ use super::{
     openai::{check_model, uuid_like},
     submit,
     tools::{OfferedTools, ToolChoice},
-    ApiError, AppState, RequestTag,
+    ApiError, AppState, Finished, RequestTag,
 };
 use crate::{
     api::{
@@ -107,10 +107,8 @@ fn read_blocks(content: &Content, path: &str) -> Result<Vec<InputBlock>, ApiErro
 /// A block this API accepts but no served model can read, or one that does not belong where it is.
 fn refuse(path: String, block: &InputBlock) -> ApiError {
     let message = match block {
-        InputBlock::Image | InputBlock::Document => {
-            let kind = if matches!(block, InputBlock::Image) { "image" } else { "document" };
-            format!("`{path}` is an `{kind}` block: Rill serves text-only models, so only text is accepted")
-        }
+        InputBlock::Image => format!("`{path}` is an `image` block: Rill serves text-only models"),
+        InputBlock::Document => format!("`{path}` is a `document` block: Rill serves text-only models"),
         _ => format!("`{path}`: this kind of block is not allowed in this place (`tool_use` and `thinking` belong to assistant turns, `tool_result` to user turns)"),
     };
     ApiError::Unsupported { message, param: path }
@@ -537,7 +535,7 @@ impl MessageBuilder {
     }
 
     /// The whole message of a finished answer.
-    fn build(mut self, finished: super::Finished) -> Message {
+    fn build(mut self, finished: Finished) -> Message {
         let num_tokens = finished.tokens.len();
         for (i, token) in finished.tokens.iter().enumerate() {
             self.push(&token.text, (i + 1 == num_tokens).then_some(&finished.end));
