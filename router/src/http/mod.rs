@@ -10,8 +10,6 @@ mod compat_tests;
 mod error;
 mod guided;
 mod messages;
-#[cfg(test)]
-mod messages_tests;
 mod middleware;
 mod native;
 mod openai;

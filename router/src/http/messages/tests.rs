@@ -9,7 +9,7 @@ use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tower::ServiceExt;
 
-use super::{
+use super::super::{
     app,
     tests::{post, server},
 };
