@@ -193,6 +193,8 @@ def test_count_tokens_and_cache_reads(client: anthropic.Anthropic) -> None:
     system = "You are a weather assistant. " * 20  # several KV blocks, so a repeat finds them cached
     fields = dict(model=MODEL, system=system, messages=MESSAGES, tools=TOOLS)
     counted = client.messages.count_tokens(**fields).input_tokens
+    # Claude Code's beta client posts to `/v1/messages/count_tokens?beta=true`.
+    assert client.beta.messages.count_tokens(**fields).input_tokens == counted
     first = client.messages.create(**fields, max_tokens=4, extra_body=GREEDY)
     second = client.messages.create(**fields, max_tokens=4, extra_body=GREEDY)
     for usage in (first.usage, second.usage):
