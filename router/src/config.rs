@@ -130,8 +130,8 @@ pub struct Args {
     /// stalls never holds memory or slows the engine.
     #[arg(long, env = "RILL_MAX_UNREAD_TOKENS", default_value_t = 1024)]
     pub max_unread_tokens: usize,
-    /// Require `Authorization: Bearer <key>` on the generation and tokenization routes (health, readiness
-    /// and metrics stay open). Read from the environment so the key never shows in a process list.
+    /// Require `Authorization: Bearer <key>` or `x-api-key: <key>` on the generation and tokenization routes
+    /// (health, readiness and metrics stay open). Read from the environment so the key never shows in a process list.
     #[arg(long, env = "RILL_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Largest request body accepted, in bytes; larger ones get 413.

@@ -40,7 +40,10 @@ SERVER_ARGS = (
 NUM_SCHEMATHESIS_EXAMPLES = 30
 """Per operation; hypothesis stops early for operations with few distinct inputs (GET /health ...)."""
 MIN_SCHEMATHESIS_CASES = 1000
-POST_ROUTES = ("/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/tokenize")
+POST_ROUTES = (
+    "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/messages",
+    "/v1/messages/count_tokens", "/tokenize",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +109,7 @@ junk = st.recursive(
 
 def _valid_ish(route: str) -> st.SearchStrategy[dict]:
     """Bodies shaped like the route's own, with any field replaced by junk."""
-    if route.startswith("/v1/chat"):
+    if route.startswith(("/v1/chat", "/v1/messages")):
         base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     elif route.startswith("/v1/"):
         base = {"model": "tiny", "prompt": "hi", "max_tokens": 4}

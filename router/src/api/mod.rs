@@ -1,6 +1,8 @@
 //! Request and response bodies of the HTTP APIs. Plain serde types: no validation here.
-//! This file holds the native (TGI-compatible) API; `openai` the OpenAI-compatible one.
+//! This file holds the native (TGI-compatible) API; `openai` the OpenAI-compatible one, `anthropic`
+//! Anthropic's Messages API.
 
+pub mod anthropic;
 pub mod openai;
 
 use std::collections::HashMap;

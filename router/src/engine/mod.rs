@@ -93,6 +93,8 @@ pub struct EndEvent {
     pub num_prompt_tokens: u32,
     /// Prompt tokens whose K/V were reused rather than computed for this request.
     pub num_cached_tokens: u32,
+    /// With `FinishReason::StopSequence`: the stop string that matched (Anthropic's `stop_sequence`).
+    pub stop_sequence: Option<String>,
 }
 
 /// A request's events, bounded: `--max-unread-tokens` token events plus one slot kept for the error that

@@ -285,6 +285,7 @@ impl Sequence {
             }
         }
         let mut finish = None;
+        let mut stopped = None;
         let piece = match self.detokenizer.push(tokenizer, token_id) {
             Ok(piece) => piece,
             Err(e) => return self.fail_text(e),
@@ -293,6 +294,7 @@ impl Sequence {
         let is_end_token = (!self.request.ignore_eos && eos_token_ids.contains(&token_id))
             || self.request.stop_token_ids.contains(&token_id);
         if outcome.stopped.is_some() {
+            stopped = outcome.stopped;
             finish = Some(FinishReason::StopSequence);
         } else if is_end_token {
             finish = Some(FinishReason::EosToken);
@@ -308,6 +310,7 @@ impl Sequence {
             let last = self.stop.push(&tail);
             outcome.text.push_str(&last.text);
             if last.stopped.is_some() {
+                stopped = last.stopped;
                 finish = Some(FinishReason::StopSequence);
             } else {
                 outcome.text.push_str(&self.stop.flush());
@@ -320,6 +323,7 @@ impl Sequence {
             num_generated_tokens: self.num_generated_tokens() as u32,
             num_prompt_tokens: self.num_prompt_tokens as u32,
             num_cached_tokens: self.num_cached_tokens as u32,
+            stop_sequence: stopped.map(|index| self.request.stop_sequences[index].clone()),
         });
         let is_finished = end.is_some();
         let is_special = tokenizer

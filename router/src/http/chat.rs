@@ -54,14 +54,14 @@ fn template_variables(
 
 /// What a piece of one choice's text turned out to be.
 #[derive(Debug, Default)]
-struct AnswerPiece {
-    reasoning: String,
-    content: String,
-    calls: Vec<tool_calls::ToolCall>,
+pub(super) struct AnswerPiece {
+    pub reasoning: String,
+    pub content: String,
+    pub calls: Vec<tool_calls::ToolCall>,
 }
 
 /// Reads one choice's text as it arrives: the reasoning apart, then tool calls out of the answer.
-struct AnswerReader {
+pub(super) struct AnswerReader {
     reasoning: Option<ReasoningParser>,
     tool_calls: Option<ToolCallParser>,
     /// Calls read so far.
@@ -69,7 +69,7 @@ struct AnswerReader {
 }
 
 impl AnswerReader {
-    fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
+    pub fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
         Self {
             reasoning: reasoning.map(|format| ReasoningParser::new(format, prompt)),
             tool_calls: tool_calls.map(ToolCallFormat::parser),
@@ -78,7 +78,7 @@ impl AnswerReader {
     }
 
     /// The next piece of text; with `is_last`, also everything held back.
-    fn push(&mut self, text: &str, is_last: bool) -> AnswerPiece {
+    pub fn push(&mut self, text: &str, is_last: bool) -> AnswerPiece {
         let mut piece = AnswerPiece::default();
         let mut answer = match &mut self.reasoning {
             Some(parser) => {
@@ -154,15 +154,14 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
     }
 }
 
-/// The output grammar: the tools' (for `required` and named choices) or the request's own, at most one;
-/// after the thinking when a reasoning parser is set and the answer to `prompt` may still think.
-async fn output_grammar(
+/// The output grammar: the tools' (for `required` and named choices) or the request's own (`guided`), at
+/// most one; after the thinking when a reasoning parser is set and the answer to `prompt` may still think.
+pub(super) async fn output_grammar(
     state: &AppState,
-    request: &ChatCompletionRequest,
+    guided: Option<(GrammarSpec, &'static str)>,
     tools: Option<&OfferedTools>,
     prompt: &str,
 ) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
-    let guided = guided::from_openai(&request.guided)?;
     let mut grammar = guided;
     if let Some(tools) = tools {
         let spec = tools.grammar(state.tool_call_format);
@@ -218,7 +217,8 @@ pub async fn chat_completions(
         request.add_generation_prompt.unwrap_or(true),
         &template_variables(&request, tools.as_ref()),
     )?;
-    let grammar = output_grammar(&state, &request, tools.as_ref(), &prompt).await?;
+    let guided = guided::from_openai(&request.guided)?;
+    let grammar = output_grammar(&state, guided, tools.as_ref(), &prompt).await?;
     let tool_call_format = tools.as_ref().map(|_| state.tool_call_format);
     let new_reader = {
         let (reasoning, prompt) = (state.reasoning_format, prompt.clone());

@@ -1,6 +1,7 @@
 //! One error type for every handler and its one mapping to a status code. The native API renders it
 //! as TGI's `{"error", "error_type"}`; `/v1/*` wraps it in `OpenAiError` for OpenAI's
-//! `{"error": {"message", "type", "param", "code"}}`.
+//! `{"error": {"message", "type", "param", "code"}}`, and `/v1/messages*` in `AnthropicError` for
+//! Anthropic's `{"type": "error", "error": {"type", "message"}}`.
 
 use axum::{
     extract::rejection::JsonRejection,
@@ -127,8 +128,32 @@ impl ApiError {
         }
     }
 
+    /// Anthropic's error body and status: its API has no 422, so a request it cannot serve is a 400
+    /// `invalid_request_error`, as every other client error whose status has no type of its own.
+    pub fn anthropic_body(&self) -> (StatusCode, serde_json::Value) {
+        let status = match self.status() {
+            StatusCode::UNPROCESSABLE_ENTITY => StatusCode::BAD_REQUEST,
+            status => status,
+        };
+        let kind = match status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+            status if status.is_server_error() => "api_error",
+            _ => "invalid_request_error",
+        };
+        let body = serde_json::json!({"type": "error", "error": {"type": kind, "message": self.to_string()}});
+        (status, body)
+    }
+
     fn respond(self, body: impl serde::Serialize) -> Response {
         let status = self.status();
+        self.respond_as(status, body)
+    }
+
+    fn respond_as(self, status: StatusCode, body: impl serde::Serialize) -> Response {
         if status.is_server_error() {
             tracing::error!(error = %self, "request failed");
         }
@@ -163,5 +188,22 @@ impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
         let body = self.0.openai_body();
         self.0.respond(body)
+    }
+}
+
+/// An `ApiError` rendered in Anthropic's shape, for the `/v1/messages*` routes.
+#[derive(Debug)]
+pub struct AnthropicError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for AnthropicError {
+    fn from(error: E) -> Self {
+        AnthropicError(error.into())
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        let (status, body) = self.0.anthropic_body();
+        self.0.respond_as(status, body)
     }
 }

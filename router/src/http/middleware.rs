@@ -125,23 +125,32 @@ pub async fn request_id(State(state): State<AppState>, mut request: Request, nex
     response
 }
 
-/// `Authorization: Bearer <key>` on the routes it guards, when the server has an API key.
+/// The header Anthropic's clients send their API key in.
+const X_API_KEY: &str = "x-api-key";
+
+/// `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's clients) on the routes it guards,
+/// when the server has an API key; either header works on every route.
 pub async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
     let Some(expected) = state.api_key.as_deref() else {
         return next.run(request).await;
     };
-    let given = request
-        .headers()
+    let headers = request.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default();
-    if bool::from(given.as_bytes().ct_eq(expected.as_bytes())) {
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = headers.get(X_API_KEY).and_then(|v| v.to_str().ok());
+    let matches =
+        |given: Option<&str>| given.is_some_and(|given| bool::from(given.as_bytes().ct_eq(expected.as_bytes())));
+    if matches(bearer) || matches(x_api_key) {
         return next.run(request).await;
     }
-    let message = "missing or wrong API key: send `Authorization: Bearer <key>`";
+    let message = "missing or wrong API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`";
     // Each API answers in its own error shape.
-    let body = if request.uri().path().starts_with("/v1/") {
+    let path = request.uri().path();
+    let body = if path.starts_with("/v1/messages") {
+        serde_json::json!({"type": "error", "error": {"type": "authentication_error", "message": message}})
+    } else if path.starts_with("/v1/") {
         serde_json::json!({"error": {"message": message, "type": "authentication_error", "param": null,
                                      "code": "invalid_api_key"}})
     } else {

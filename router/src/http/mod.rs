@@ -9,6 +9,7 @@ mod compat;
 mod compat_tests;
 mod error;
 mod guided;
+mod messages;
 mod middleware;
 mod native;
 mod openai;
@@ -124,6 +125,8 @@ pub fn app(state: AppState) -> Router {
         .route("/generate_stream", post(native::generate_stream))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/messages", post(messages::messages))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
         .route("/tokenize", post(service::tokenize))

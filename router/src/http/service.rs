@@ -188,7 +188,7 @@ pub async fn detokenize(
 #[openapi(
     info(
         title = "Rill",
-        description = "LLM serving: TGI-compatible and OpenAI-compatible APIs"
+        description = "LLM serving: TGI-compatible, OpenAI-compatible and Anthropic-compatible APIs"
     ),
     paths(
         super::native::compat,
@@ -196,6 +196,8 @@ pub async fn detokenize(
         super::native::generate_stream,
         super::openai::completions,
         super::chat::chat_completions,
+        super::messages::messages,
+        super::messages::count_tokens,
         super::openai::models,
         super::openai::model,
         health,

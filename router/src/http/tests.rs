@@ -493,6 +493,8 @@ async fn openapi_document_lists_every_route() {
         "/generate_stream",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/models",
         "/tokenize",
         "/info",
