@@ -47,6 +47,9 @@ pub struct Metrics {
     /// Cached blocks no sequence holds: they serve prefix hits and are evicted when blocks run short.
     pub kv_blocks_cached_idle: IntGauge,
     pub prefix_cache_blocks: IntGauge,
+    /// Responses in the `/v1/responses` store, and their size in bytes (updated when read).
+    pub responses_stored: IntGauge,
+    pub responses_stored_bytes: IntGauge,
     pub prefix_cache_queried_tokens: IntCounter,
     pub prefix_cache_hit_tokens: IntCounter,
     pub prefix_cache_inserted_blocks: IntCounter,
@@ -156,6 +159,16 @@ impl Metrics {
                 "Cached KV blocks no sequence holds (evictable)",
             ),
             prefix_cache_blocks: gauge(&registry, "rill_prefix_cache_blocks", "KV blocks in the prefix cache"),
+            responses_stored: gauge(
+                &registry,
+                "rill_responses_stored",
+                "Responses in the /v1/responses store",
+            ),
+            responses_stored_bytes: gauge(
+                &registry,
+                "rill_responses_stored_bytes",
+                "Bytes of the responses in the /v1/responses store",
+            ),
             prefix_cache_queried_tokens: counter(
                 &registry,
                 "rill_prefix_cache_queried_tokens_total",

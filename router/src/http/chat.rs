@@ -38,7 +38,7 @@ use crate::{
 };
 
 /// The chat template's extra variables: `chat_template_kwargs`, `reasoning_effort` and `tools`.
-fn template_variables(
+pub(super) fn template_variables(
     request: &ChatCompletionRequest,
     tools: Option<&OfferedTools>,
 ) -> serde_json::Map<String, serde_json::Value> {
@@ -54,14 +54,14 @@ fn template_variables(
 
 /// What a piece of one choice's text turned out to be.
 #[derive(Debug, Default)]
-struct AnswerPiece {
-    reasoning: String,
-    content: String,
-    calls: Vec<tool_calls::ToolCall>,
+pub(super) struct AnswerPiece {
+    pub reasoning: String,
+    pub content: String,
+    pub calls: Vec<tool_calls::ToolCall>,
 }
 
 /// Reads one choice's text as it arrives: the reasoning apart, then tool calls out of the answer.
-struct AnswerReader {
+pub(super) struct AnswerReader {
     reasoning: Option<ReasoningParser>,
     tool_calls: Option<ToolCallParser>,
     /// Calls read so far.
@@ -69,7 +69,7 @@ struct AnswerReader {
 }
 
 impl AnswerReader {
-    fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
+    pub(super) fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
         Self {
             reasoning: reasoning.map(|format| ReasoningParser::new(format, prompt)),
             tool_calls: tool_calls.map(ToolCallFormat::parser),
@@ -78,7 +78,7 @@ impl AnswerReader {
     }
 
     /// The next piece of text; with `is_last`, also everything held back.
-    fn push(&mut self, text: &str, is_last: bool) -> AnswerPiece {
+    pub(super) fn push(&mut self, text: &str, is_last: bool) -> AnswerPiece {
         let mut piece = AnswerPiece::default();
         let mut answer = match &mut self.reasoning {
             Some(parser) => {
@@ -156,7 +156,7 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
 
 /// The output grammar: the tools' (for `required` and named choices) or the request's own, at most one;
 /// after the thinking when a reasoning parser is set and the answer to `prompt` may still think.
-async fn output_grammar(
+pub(super) async fn output_grammar(
     state: &AppState,
     request: &ChatCompletionRequest,
     tools: Option<&OfferedTools>,

@@ -13,6 +13,9 @@ mod middleware;
 mod native;
 mod openai;
 mod responder;
+mod response_store;
+mod responses;
+mod responses_output;
 pub mod serve;
 mod service;
 #[cfg(test)]
@@ -33,6 +36,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use build::{build, ModelFiles, Server};
 pub use error::ApiError;
 pub use middleware::RequestTag;
+pub use response_store::StoreBounds;
 
 use crate::{
     api::{openai::ChatMessage, MemoryInfo},
@@ -79,6 +83,8 @@ pub struct AppState {
     pub memory: MemoryInfo,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
+    /// Stored `/v1/responses` responses and their token histories (`--responses-store-*`).
+    pub responses: Arc<responses::Store>,
 }
 
 impl AppState {
@@ -122,6 +128,10 @@ pub fn app(state: AppState) -> Router {
         .route("/generate_stream", post(native::generate_stream))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/responses/{id}/input_items", get(responses::input_items))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
         .route("/tokenize", post(service::tokenize))

@@ -63,6 +63,7 @@ pub async fn ready(State(state): State<AppState>) -> Response {
 /// Prometheus metrics.
 #[utoipa::path(get, path = "/metrics", tag = "service", responses((status = 200, content_type = "text/plain")))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    super::responses::store_size(&state);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.engine.metrics.render(),
@@ -103,6 +104,7 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
             window_released_blocks: stats.num_window_released_blocks,
         },
         memory: state.memory.clone(),
+        responses_store: super::responses::store_size(&state),
         version: env!("CARGO_PKG_VERSION"),
     })
 }
@@ -189,6 +191,11 @@ pub async fn detokenize(
         super::native::generate_stream,
         super::openai::completions,
         super::chat::chat_completions,
+        super::responses::create,
+        super::responses::retrieve,
+        super::responses::delete,
+        super::responses::cancel,
+        super::responses::input_items,
         super::openai::models,
         super::openai::model,
         health,

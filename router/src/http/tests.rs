@@ -100,6 +100,11 @@ async fn server_with(
         tool_call_parser: None,
         reasoning_parser: None,
         log_prompts: false,
+        responses_store: crate::http::StoreBounds {
+            max_entries: 2,
+            max_bytes: 1 << 20,
+            ttl: Duration::from_secs(60),
+        },
         limits: LimitsConfig {
             max_input_tokens: 64,
             max_total_tokens: 128,
