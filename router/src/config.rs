@@ -5,7 +5,6 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{builder::BoolishValueParser, Arg, ArgAction, Parser, ValueEnum};
 
 use crate::{
-    http::StoreBounds,
     scheduler::{KvAdmission, PreemptionMode},
     text::{reasoning::ReasoningFormat, tool_calls::ToolCallFormat},
 };
@@ -277,6 +276,18 @@ pub struct BatchConfig {
     /// Host swap pool per shard, in bytes; 0 with `--preemption-mode recompute`; None: the shards size it.
     pub swap_space_bytes: Option<u64>,
     pub kv_admission: KvAdmission,
+}
+
+/// The bounds of the `/v1/responses` store (`--responses-store-max-entries`, `--responses-store-max-bytes`,
+/// `--responses-store-ttl-secs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreBounds {
+    /// Most entries kept; 0 keeps none (every response is then as if `store: false`).
+    pub max_entries: usize,
+    /// Most bytes kept over all entries; an entry larger than this alone is not kept.
+    pub max_bytes: usize,
+    /// How long an entry is kept after it was stored.
+    pub ttl: Duration,
 }
 
 /// Limits on the HTTP connections themselves (`http::serve`).

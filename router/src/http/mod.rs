@@ -36,7 +36,6 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub use build::{build, ModelFiles, Server};
 pub use error::ApiError;
 pub use middleware::RequestTag;
-pub use response_store::StoreBounds;
 
 use crate::{
     api::{openai::ChatMessage, MemoryInfo},

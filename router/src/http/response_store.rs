@@ -6,20 +6,10 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
-/// The store's bounds (`--responses-store-max-entries`, `--responses-store-max-bytes`,
-/// `--responses-store-ttl-secs`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StoreBounds {
-    /// Most entries kept; 0 keeps none (every response is then as if `store: false`).
-    pub max_entries: usize,
-    /// Most bytes kept over all entries; an entry larger than this alone is not kept.
-    pub max_bytes: usize,
-    /// How long an entry is kept after it was stored.
-    pub ttl: Duration,
-}
+pub use crate::config::StoreBounds;
 
 struct Entry<T> {
     value: T,
@@ -125,6 +115,8 @@ impl<T> ResponseStore<T> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn store(max_entries: usize, max_bytes: usize, ttl_s: u64) -> ResponseStore<&'static str> {

@@ -733,9 +733,8 @@ pub async fn create(
         // Keep the newest tokens that fit.
         input.truncate = Some(state.limits.max_input_tokens);
     }
-    // TODO(#35, prompt cache pins): hand `request.prompt_cache_key` to the engine here, to pin this
-    // conversation's prefix for its TTL.
-    let _prompt_cache_key = &request.prompt_cache_key;
+    // PIN HOOK (#35, item 4): hand `request.prompt_cache_key` to the engine here (on `input`), so this
+    // conversation's prefix stays pinned for its TTL while the client runs its tools.
     let permit = acquire(&state, 1)?;
     let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let events = receivers.pop().expect("one receiver per choice");

@@ -100,7 +100,7 @@ async fn server_with(
         tool_call_parser: None,
         reasoning_parser: None,
         log_prompts: false,
-        responses_store: crate::http::StoreBounds {
+        responses_store: crate::config::StoreBounds {
             max_entries: 2,
             max_bytes: 1 << 20,
             ttl: Duration::from_secs(60),
