@@ -261,8 +261,15 @@ def test_bad_input_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
 
 @pytest.fixture(scope="module")
 def small_store(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny model with a store of two responses, and a reasoning parser whose answers start inside the
+    thinking (the tiny model never closes it: all its text is thinking)."""
     srv = start_server(
-        tiny_model, tmp_path_factory.mktemp("small-store"), "--responses-store-max-entries", "2"
+        tiny_model,
+        tmp_path_factory.mktemp("small-store"),
+        "--responses-store-max-entries",
+        "2",
+        "--reasoning-parser",
+        "deepseek_r1",
     )
     yield srv
     stop_server(srv)
@@ -283,6 +290,33 @@ def test_the_store_evicts_its_oldest_response(small_store: Server) -> None:
     assert (store["max_entries"], store["num_entries"]) == (2, 2)
     metrics = requests.get(f"{small_store.url}/metrics", timeout=10).text
     assert "rill_responses_stored 2" in metrics.splitlines()
+
+
+def test_thinking_is_a_reasoning_item(small_store: Server) -> None:
+    client = openai.OpenAI(base_url=f"{small_store.url}/v1", api_key="unused", max_retries=0)
+    kwargs = {"model": small_store.info()["served_model_name"], "input": "Think.", "max_output_tokens": 8}
+    whole = client.responses.create(**kwargs, temperature=0, store=False)
+    assert whole.status == "incomplete" and [item.type for item in whole.output] == ["reasoning"]
+    reasoning = whole.output[0]
+    assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.status == "incomplete"
+    assert [part.type for part in reasoning.content] == ["reasoning_text"] and reasoning.content[0].text
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens <= 8
+    events = list(client.responses.create(**kwargs, temperature=0, store=False, stream=True))
+    types = [event.type for event in events]
+    num_deltas = types.count("response.reasoning_text.delta")
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.reasoning_text.delta"] * num_deltas,
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    deltas = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert deltas == reasoning.content[0].text == events[-1].response.output[0].content[0].text
 
 
 def test_an_agents_sdk_agent_calls_its_tool(server: Server) -> None:
