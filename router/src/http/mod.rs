@@ -15,7 +15,6 @@ mod openai;
 mod responder;
 mod response_store;
 mod responses;
-mod responses_output;
 pub mod serve;
 mod service;
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! (`reasoning`, `message`, `function_call`), yielding the stream events that say so. The non-streaming
 //! answer is built by the same steps, so both show the same items.
 
-use super::{chat::AnswerReader, openai::uuid_like};
+use super::super::{chat::AnswerReader, openai::uuid_like};
 use crate::{
     api::{
         responses::{OutputContent, OutputItem, StreamEventKind},
