@@ -46,7 +46,7 @@ use super::{
 };
 use crate::{
     api::{
-        openai::{ChatMessage, ErrorResponse, FunctionCall, ToolCall},
+        openai::{ErrorResponse, FunctionCall, ToolCall},
         responses::{
             CreateResponseRequest, DeletedResponse, FunctionTool, IncompleteDetails, InputItemList, InputTokensDetails,
             OutputTokensDetails, ResponseErrorInfo, ResponseObject, ResponseUsage, StreamEvent, StreamEventKind,
@@ -122,9 +122,8 @@ fn response_head(state: &AppState, request: &CreateResponseRequest, tools: Vec<F
 struct Turn {
     head: ResponseObject,
     builder: OutputBuilder,
-    /// The prompt's token ids; the generated ones are appended as they come.
-    token_ids: Vec<u32>,
-    /// The history to store: the conversation so far (the output is added at the end).
+    /// The history to store: the conversation so far (the output is added at the end), and the prompt's
+    /// token ids (the generated ones are appended as they come).
     history: TokenHistory,
     input_items: Vec<Value>,
 }
@@ -132,7 +131,7 @@ struct Turn {
 impl Turn {
     /// Reads one event; returns its stream events and, on the last, the finished response.
     fn push(&mut self, event: &TokenEvent) -> (Vec<StreamEventKind>, Option<ResponseObject>) {
-        self.token_ids.push(event.token_id);
+        self.history.token_ids.push(event.token_id);
         let events = self.builder.push(event);
         (events, event.end.as_ref().map(|end| self.finish(end)))
     }
@@ -197,7 +196,6 @@ impl Turn {
             });
             let mut history = self.history;
             history.messages.push(answer);
-            history.token_ids = self.token_ids;
             history
         });
         let stored = StoredResponse {
@@ -269,17 +267,18 @@ pub async fn create(
     };
     let turn = read_input(&request.input)?;
     let tools = read_tools(request.tools.as_deref().unwrap_or_default())?;
-    // The conversation: the instructions, the stored one, the new turn.
-    let mut conversation: Vec<ChatMessage> = request
+    // The conversation so far (after the instructions): the stored one, then the new turn.
+    let mut history_messages = previous.as_ref().map(|h| h.messages.clone()).unwrap_or_default();
+    history_messages.extend(turn.messages.iter().cloned());
+    let instructions = request
         .instructions
         .iter()
-        .map(|text| message("system", Some(text.clone())))
-        .collect();
-    let mut history_messages = previous.as_ref().map(|h| h.messages.clone()).unwrap_or_default();
-    conversation.extend(history_messages.iter().cloned());
-    conversation.extend(turn.messages.iter().cloned());
-    history_messages.extend(turn.messages.iter().cloned());
-    let chat = chat_request(&request, conversation, &tools)?;
+        .map(|text| message("system", Some(text.clone())));
+    let chat = chat_request(
+        &request,
+        instructions.chain(history_messages.iter().cloned()).collect(),
+        &tools,
+    )?;
     let offered = OfferedTools::from_request(&chat)?;
     let variables = template_variables(&chat, offered.as_ref());
     let (prompt, prompt_text) = build_prompt(
@@ -313,12 +312,11 @@ pub async fn create(
     let turn = Turn {
         head: response_head(&state, &request, tools),
         builder: OutputBuilder::new(reader),
-        token_ids: valid.prompt_ids,
         history: TokenHistory {
             instructions: request.instructions.clone(),
             variables,
             messages: history_messages,
-            token_ids: Vec::new(),
+            token_ids: valid.prompt_ids,
         },
         input_items: turn.items,
     };
