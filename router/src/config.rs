@@ -152,6 +152,17 @@ pub struct Args {
     /// A grammar (`response_format`, tool choices) then applies after the thinking. Unset: no separation.
     #[arg(long, env = "RILL_REASONING_PARSER", value_enum, hide_possible_values = true)]
     pub reasoning_parser: Option<ReasoningFormat>,
+    /// Most responses the `/v1/responses` store keeps (`store: true`, the default); when full, the oldest
+    /// are evicted first. 0 keeps none.
+    #[arg(long, env = "RILL_RESPONSES_STORE_MAX_ENTRIES", default_value_t = 10_000)]
+    pub responses_store_max_entries: usize,
+    /// Most bytes the `/v1/responses` store holds (each response's JSON, its input items, and its token
+    /// history at 4 bytes a token); when full, the oldest are evicted first.
+    #[arg(long, env = "RILL_RESPONSES_STORE_MAX_BYTES", default_value_t = 512 << 20)]
+    pub responses_store_max_bytes: usize,
+    /// Seconds a stored response is kept (retrievable, and continued by `previous_response_id`).
+    #[arg(long, env = "RILL_RESPONSES_STORE_TTL_SECS", default_value_t = 3600)]
+    pub responses_store_ttl_secs: u64,
     /// Log each prompt's text (never logged otherwise).
     #[arg(long, env = "RILL_LOG_PROMPTS")]
     pub log_prompts: bool,
@@ -285,6 +296,18 @@ pub struct BatchConfig {
     pub kv_admission: KvAdmission,
 }
 
+/// The bounds of the `/v1/responses` store (`--responses-store-max-entries`, `--responses-store-max-bytes`,
+/// `--responses-store-ttl-secs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreBounds {
+    /// Most entries kept; 0 keeps none (every response is then as if `store: false`).
+    pub max_entries: usize,
+    /// Most bytes kept over all entries; an entry larger than this alone is not kept.
+    pub max_bytes: usize,
+    /// How long an entry is kept after it was stored.
+    pub ttl: Duration,
+}
+
 /// Limits on the HTTP connections themselves (`http::serve`).
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionConfig {
@@ -316,6 +339,8 @@ pub struct Config {
     pub log_prompts: bool,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
+    /// `--responses-store-*`.
+    pub responses_store: StoreBounds,
 }
 
 impl Config {
@@ -333,6 +358,10 @@ impl Config {
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
         anyhow::ensure!(args.max_connections > 0, "--max-connections must be positive");
         anyhow::ensure!(args.max_unread_tokens > 0, "--max-unread-tokens must be positive");
+        anyhow::ensure!(
+            args.responses_store_ttl_secs > 0,
+            "--responses-store-ttl-secs must be positive"
+        );
         anyhow::ensure!(
             args.forward_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
             "--forward-timeout must be a positive number of seconds, got {:?}",
@@ -391,6 +420,11 @@ impl Config {
             tool_call_parser: args.tool_call_parser,
             reasoning_parser: args.reasoning_parser,
             log_prompts: args.log_prompts,
+            responses_store: StoreBounds {
+                max_entries: args.responses_store_max_entries,
+                max_bytes: args.responses_store_max_bytes,
+                ttl: Duration::from_secs(args.responses_store_ttl_secs),
+            },
             limits: LimitsConfig {
                 max_input_tokens: args.max_input_tokens,
                 max_total_tokens: args.max_total_tokens,

@@ -78,6 +78,9 @@ pub struct Metrics {
     pub pins_created: IntCounter,
     /// Session pins released before their key's next turn replaced them, by `reason` (`PinRelease`).
     pins_released: IntCounterVec,
+    /// Responses in the `/v1/responses` store, and their size in bytes (updated when read).
+    pub responses_stored: IntGauge,
+    pub responses_stored_bytes: IntGauge,
     pub prefix_cache_queried_tokens: IntCounter,
     pub prefix_cache_hit_tokens: IntCounter,
     pub prefix_cache_inserted_blocks: IntCounter,
@@ -216,6 +219,16 @@ impl Metrics {
                 }
                 released
             },
+            responses_stored: gauge(
+                &registry,
+                "rill_responses_stored",
+                "Responses in the /v1/responses store",
+            ),
+            responses_stored_bytes: gauge(
+                &registry,
+                "rill_responses_stored_bytes",
+                "Bytes of the responses in the /v1/responses store",
+            ),
             prefix_cache_queried_tokens: counter(
                 &registry,
                 "rill_prefix_cache_queried_tokens_total",

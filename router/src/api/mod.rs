@@ -4,6 +4,7 @@
 
 pub mod anthropic;
 pub mod openai;
+pub mod responses;
 
 use std::collections::HashMap;
 
@@ -182,7 +183,22 @@ pub struct Info {
     pub max_stop_sequences: u32,
     pub kv: KvInfo,
     pub memory: MemoryInfo,
+    /// The `/v1/responses` store: its bounds and what it holds now.
+    pub responses_store: ResponsesStoreInfo,
     pub version: &'static str,
+}
+
+/// The `/v1/responses` store (`--responses-store-*`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ResponsesStoreInfo {
+    pub max_entries: usize,
+    pub max_bytes: usize,
+    /// Seconds a response is kept after it was stored.
+    pub ttl_secs: u64,
+    /// Responses kept now.
+    pub num_entries: usize,
+    /// Their size in bytes, roughly.
+    pub num_bytes: usize,
 }
 
 /// The model's attention layout, as the shard reports it in Info.

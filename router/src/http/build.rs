@@ -11,7 +11,7 @@ use anyhow::Context;
 use tokenizers::Tokenizer;
 use tokio::sync::{mpsc, Semaphore};
 
-use super::{app, AppState};
+use super::{app, response_store::ResponseStore, AppState};
 use crate::{
     api::MemoryInfo,
     chat_template::ChatTemplate,
@@ -229,5 +229,6 @@ fn app_state(
         },
         limits,
         batch: config.batch.clone(),
+        responses: Arc::new(std::sync::Mutex::new(ResponseStore::new(config.responses_store))),
     })
 }

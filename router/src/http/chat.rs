@@ -38,7 +38,7 @@ use crate::{
 };
 
 /// The chat template's extra variables: `chat_template_kwargs`, `reasoning_effort` and `tools`.
-fn template_variables(
+pub(super) fn template_variables(
     request: &ChatCompletionRequest,
     tools: Option<&OfferedTools>,
 ) -> serde_json::Map<String, serde_json::Value> {
@@ -69,7 +69,7 @@ pub(super) struct AnswerReader {
 }
 
 impl AnswerReader {
-    pub fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
+    pub(super) fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
         Self {
             reasoning: reasoning.map(|format| ReasoningParser::new(format, prompt)),
             tool_calls: tool_calls.map(ToolCallFormat::parser),
@@ -78,7 +78,7 @@ impl AnswerReader {
     }
 
     /// The next piece of text; with `is_last`, also everything held back.
-    pub fn push(&mut self, text: &str, is_last: bool) -> AnswerPiece {
+    pub(super) fn push(&mut self, text: &str, is_last: bool) -> AnswerPiece {
         let mut piece = AnswerPiece::default();
         let mut answer = match &mut self.reasoning {
             Some(parser) => {

@@ -34,6 +34,18 @@ pub enum ApiError {
     /// `tools` or `tool_choice` do not make sense (answered with 400).
     #[error("{message}")]
     InvalidTools { message: String, param: String },
+    /// A field of a Responses request that does not make sense (answered with 400).
+    #[error("{message}")]
+    InvalidField { message: String, param: String },
+    /// `GET`/`DELETE /v1/responses/{id}` of an id that is not stored.
+    #[error("Response with id '{0}' not found (never stored, deleted, or evicted or expired from the store)")]
+    ResponseNotFound(String),
+    /// `previous_response_id` names a response that is not stored (answered with 400, as OpenAI does).
+    #[error("Previous response with id '{0}' not found (never stored, stored with `store: false`, deleted, or evicted or expired from the store)")]
+    PreviousResponseNotFound(String),
+    /// `POST /v1/responses/{id}/cancel` of a response that is not running in the background.
+    #[error("{0}")]
+    NotCancellable(String),
     #[error("the model `{0}` does not exist; this server serves `{1}`")]
     ModelNotFound(String, String),
     #[error("the server has --max-concurrent-requests = {0} requests in flight; retry later")]
@@ -67,7 +79,12 @@ impl ApiError {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
             ApiError::Unsupported { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::BadRequest(_) | ApiError::InvalidTools { .. } => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest(_)
+            | ApiError::InvalidTools { .. }
+            | ApiError::InvalidField { .. }
+            | ApiError::PreviousResponseNotFound(_)
+            | ApiError::NotCancellable(_) => StatusCode::BAD_REQUEST,
+            ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
             ApiError::Overloaded(_) | ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -97,7 +114,10 @@ impl ApiError {
         match self {
             ApiError::Validation(e) => e.param().map(str::to_owned),
             ApiError::ChatTemplate(_) => Some("messages".into()),
-            ApiError::Unsupported { param, .. } | ApiError::InvalidTools { param, .. } => Some(param.clone()),
+            ApiError::Unsupported { param, .. }
+            | ApiError::InvalidTools { param, .. }
+            | ApiError::InvalidField { param, .. } => Some(param.clone()),
+            ApiError::PreviousResponseNotFound(_) => Some("previous_response_id".into()),
             ApiError::ModelNotFound(..) => Some("model".into()),
             _ => None,
         }
@@ -114,6 +134,7 @@ impl ApiError {
         let status = self.status();
         let (kind, code) = match self {
             ApiError::ModelNotFound(..) => ("invalid_request_error", Some("model_not_found")),
+            ApiError::PreviousResponseNotFound(_) => ("invalid_request_error", Some("previous_response_not_found")),
             ApiError::Overloaded(_) | ApiError::QueueFull(_) => ("rate_limit_error", Some("rate_limit_exceeded")),
             _ if status.is_server_error() => ("server_error", None),
             _ => ("invalid_request_error", None),

@@ -16,6 +16,8 @@ mod openai;
 #[cfg(test)]
 mod pin_tests;
 mod responder;
+mod response_store;
+mod responses;
 pub mod serve;
 mod service;
 #[cfg(test)]
@@ -82,6 +84,8 @@ pub struct AppState {
     pub memory: MemoryInfo,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
+    /// Stored `/v1/responses` responses and their token histories (`--responses-store-*`).
+    pub responses: Arc<responses::Store>,
 }
 
 impl AppState {
@@ -127,6 +131,10 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route("/v1/responses/{id}/input_items", get(responses::input_items))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
         .route("/tokenize", post(service::tokenize))

@@ -63,6 +63,7 @@ pub async fn ready(State(state): State<AppState>) -> Response {
 /// Prometheus metrics.
 #[utoipa::path(get, path = "/metrics", tag = "service", responses((status = 200, content_type = "text/plain")))]
 pub async fn metrics(State(state): State<AppState>) -> Response {
+    super::responses::store_size(&state);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.engine.metrics.render(),
@@ -110,6 +111,7 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
             },
         },
         memory: state.memory.clone(),
+        responses_store: super::responses::store_size(&state),
         version: env!("CARGO_PKG_VERSION"),
     })
 }
@@ -198,6 +200,11 @@ pub async fn detokenize(
         super::chat::chat_completions,
         super::messages::messages,
         super::messages::count_tokens,
+        super::responses::create,
+        super::responses::retrieve,
+        super::responses::delete,
+        super::responses::cancel,
+        super::responses::input_items,
         super::openai::models,
         super::openai::model,
         health,

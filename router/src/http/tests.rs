@@ -100,6 +100,11 @@ async fn server_with(
         tool_call_parser: None,
         reasoning_parser: None,
         log_prompts: false,
+        responses_store: crate::config::StoreBounds {
+            max_entries: 2,
+            max_bytes: 1 << 20,
+            ttl: Duration::from_secs(60),
+        },
         limits: LimitsConfig {
             max_input_tokens: 64,
             max_total_tokens: 128,
@@ -495,6 +500,8 @@ async fn openapi_document_lists_every_route() {
         "/v1/chat/completions",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/responses/{id}",
         "/v1/models",
         "/tokenize",
         "/info",
@@ -921,4 +928,110 @@ async fn a_long_windowed_sequence_holds_only_its_window_and_its_prefix_still_hit
 async fn reserve_admission_never_preempts() {
     let server = run_under_memory_pressure(PreemptionMode::Swap, KvAdmission::Reserve).await;
     assert_eq!(preemptions(&server, "swap") + preemptions(&server, "recompute"), 0);
+}
+
+async fn call(app: &Router, method: &str, uri: &str) -> (StatusCode, Value) {
+    let request = Request::builder()
+        .method(method)
+        .uri(uri)
+        .body(Body::empty())
+        .expect("valid request");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let bytes = response.into_body().collect().await.expect("body").to_bytes();
+    (status, serde_json::from_slice(&bytes).expect("json"))
+}
+
+/// The store as the API shows it: a turn continued by `previous_response_id` holds the first turn's
+/// tokens, prompt and answer, as a prefix hit; the store keeps two responses (the test config), the
+/// oldest evicted first; delete; a stream's typed events in order, numbered from 0.
+#[tokio::test]
+async fn responses_are_stored_continued_and_evicted() {
+    let server = server(64, 8).await;
+    let create = |body: Value| {
+        let app = server.app.clone();
+        async move {
+            let (status, _, text) = post(&app, "/v1/responses", body).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            serde_json::from_str::<Value>(&text).expect("json body")
+        }
+    };
+    // "w1 w0": the prompt; the fake model counts on from its last token.
+    let first = create(json!({"input": "w1", "max_output_tokens": 3, "temperature": 0})).await;
+    assert_eq!(first["status"], "incomplete");
+    assert_eq!(first["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(first["output"][0]["content"][0]["text"], " w1 w2 w3");
+    assert_eq!(first["usage"]["input_tokens"], 2);
+    let id = first["id"].as_str().expect("id").to_owned();
+    assert_eq!(
+        call(&server.app, "GET", &format!("/v1/responses/{id}")).await,
+        (StatusCode::OK, first.clone())
+    );
+    let second = create(json!({"input": "w5", "previous_response_id": id, "max_output_tokens": 2})).await;
+    // The history (2 + 3 tokens), the closing " " of the template's turn, then "w5 w0": 2 more tokens.
+    assert_eq!(second["usage"]["input_tokens"], 7);
+    assert!(
+        second["usage"]["input_tokens_details"]["cached_tokens"].as_u64() >= Some(4),
+        "{second}"
+    );
+    assert_eq!(second["previous_response_id"], id.as_str());
+    let (status, items) = call(
+        &server.app,
+        "GET",
+        &format!("/v1/responses/{}/input_items", second["id"].as_str().expect("id")),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        items["data"][0]["content"],
+        json!([{"type": "input_text", "text": "w5"}])
+    );
+    let third = create(json!({"input": "w7", "max_output_tokens": 1})).await;
+    let (status, error) = call(&server.app, "GET", &format!("/v1/responses/{id}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{error}");
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/responses",
+        json!({"input": "w1", "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let error: Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(error["error"]["code"], "previous_response_not_found");
+    let third_uri = format!("/v1/responses/{}", third["id"].as_str().expect("id"));
+    assert_eq!(call(&server.app, "DELETE", &third_uri).await.0, StatusCode::OK);
+    assert_eq!(call(&server.app, "GET", &third_uri).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(server.state.responses.lock().expect("lock").len(), 1);
+
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/responses",
+        json!({"input": "w1", "max_output_tokens": 2, "stream": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let events: Vec<Value> = sse_data(&text)
+        .iter()
+        .map(|data| serde_json::from_str(data).expect("json event"))
+        .collect();
+    let types: Vec<&str> = events.iter().map(|e| e["type"].as_str().expect("type")).collect();
+    assert_eq!(
+        types,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+    );
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event["sequence_number"], i);
+    }
+    assert_eq!(events[6]["text"], " w1 w2");
 }
