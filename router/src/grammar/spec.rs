@@ -84,7 +84,7 @@ impl GrammarSpec {
 }
 
 /// `text` as a regex that matches exactly it.
-fn escape_regex(text: &str) -> String {
+pub(crate) fn escape_regex(text: &str) -> String {
     let mut escaped = String::with_capacity(text.len());
     for ch in text.chars() {
         if "\\.+*?()|[]{}^$#&-~".contains(ch) {

@@ -66,9 +66,33 @@ fn is_allowed(mask: &[u32], token: u32) -> bool {
 
 /// Samples uniformly among the allowed tokens until EOS; returns the text and whether EOS ended it.
 pub(crate) fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usize) -> (String, bool) {
+    random_walk_after(grammar, "", seed, max_tokens)
+}
+
+/// Whether `text` (one token per character) is accepted: its tokens allowed one after the other.
+pub(crate) fn accepts(matcher: &mut GrammarMatcher, text: &str) -> bool {
+    text.chars().all(|ch| {
+        let token = token_of(ch);
+        is_allowed(&matcher.allowed_tokens().expect("mask"), token) && matcher.accept(token).is_ok()
+    })
+}
+
+/// Whether EOS is allowed now.
+pub(crate) fn allows_eos(matcher: &mut GrammarMatcher) -> bool {
+    is_allowed(&matcher.allowed_tokens().expect("mask"), EOS)
+}
+
+/// [`random_walk`] from the state after `prefix` (which must be accepted), its text included.
+pub(crate) fn random_walk_after(
+    grammar: &CompiledGrammar,
+    prefix: &str,
+    seed: u64,
+    max_tokens: usize,
+) -> (String, bool) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut matcher = grammar.matcher();
-    let mut text = String::new();
+    assert!(accepts(&mut matcher, prefix), "{prefix:?} refused");
+    let mut text = prefix.to_owned();
     for _ in 0..max_tokens {
         let mask = matcher.allowed_tokens().expect("mask");
         let allowed: Vec<u32> = (0..VOCAB_SIZE).filter(|&t| is_allowed(&mask, t)).collect();
