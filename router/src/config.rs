@@ -130,9 +130,10 @@ pub struct Args {
     #[arg(long = "cors-allow-origin", env = "RILL_CORS_ALLOW_ORIGIN", value_name = "ORIGIN")]
     pub cors_allow_origins: Vec<String>,
     /// How the model writes tool calls: `hermes` (`<tool_call>{...}</tool_call>`, Qwen and Hermes models),
-    /// `llama3` (a `{"name", "parameters"}` object) or `mistral` (`[TOOL_CALLS][...]`). Unset: the format
-    /// whose markers the chat template shows, else `hermes` (templates without tool support are given
-    /// the tools the Hermes way).
+    /// `qwen3_coder` (`<tool_call><function=...><parameter=...>`), `llama3` (a `{"name", "parameters"}`
+    /// object), `mistral` (`[TOOL_CALLS][...]`) or `mistral_args` (`[TOOL_CALLS]name[ARGS]{...}`). Unset:
+    /// the format whose markers the chat template shows, else `hermes` (templates without tool support
+    /// are given the tools the Hermes way).
     #[arg(long, env = "RILL_TOOL_CALL_PARSER", value_enum, hide_possible_values = true)]
     pub tool_call_parser: Option<ToolCallFormat>,
     /// Separate a reasoning model's `<think>...</think>` from its answer, as `reasoning_content`:
@@ -140,6 +141,10 @@ pub struct Args {
     /// A grammar (`response_format`, tool choices) then applies after the thinking. Unset: no separation.
     #[arg(long, env = "RILL_REASONING_PARSER", value_enum, hide_possible_values = true)]
     pub reasoning_parser: Option<ReasoningFormat>,
+    /// Seconds a request's grammar (`response_format`, `guided_*`, tools' schemas) may take to compile;
+    /// one that takes longer gets a 400 (llguidance's own size and work limits stop most sooner).
+    #[arg(long, env = "RILL_GRAMMAR_COMPILE_TIMEOUT", default_value_t = 5.0)]
+    pub grammar_compile_timeout: f64,
     /// Log each prompt's text (never logged otherwise).
     #[arg(long, env = "RILL_LOG_PROMPTS")]
     pub log_prompts: bool,
@@ -295,6 +300,8 @@ pub struct Config {
     pub tool_call_parser: Option<ToolCallFormat>,
     /// `--reasoning-parser`; None = answers are not split.
     pub reasoning_parser: Option<ReasoningFormat>,
+    /// `--grammar-compile-timeout`: the longest a grammar may take to compile.
+    pub grammar_compile_timeout: Duration,
     pub log_prompts: bool,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
@@ -315,6 +322,11 @@ impl Config {
         anyhow::ensure!(args.max_batch_size > 0, "--max-batch-size must be positive");
         anyhow::ensure!(args.max_connections > 0, "--max-connections must be positive");
         anyhow::ensure!(args.max_unread_tokens > 0, "--max-unread-tokens must be positive");
+        anyhow::ensure!(
+            args.grammar_compile_timeout > 0.0 && args.grammar_compile_timeout <= MAX_TIMEOUT_S,
+            "--grammar-compile-timeout must be a positive number of seconds, got {}",
+            args.grammar_compile_timeout
+        );
         anyhow::ensure!(
             args.forward_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
             "--forward-timeout must be a positive number of seconds, got {:?}",
@@ -361,6 +373,7 @@ impl Config {
             cors_allow_origins: args.cors_allow_origins,
             tool_call_parser: args.tool_call_parser,
             reasoning_parser: args.reasoning_parser,
+            grammar_compile_timeout: Duration::from_secs_f64(args.grammar_compile_timeout),
             log_prompts: args.log_prompts,
             limits: LimitsConfig {
                 max_input_tokens: args.max_input_tokens,

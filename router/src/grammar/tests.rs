@@ -255,3 +255,34 @@ async fn after_reasoning_the_grammar_holds_and_not_before() {
     walk(&mut matcher, "123");
     assert!(matcher.is_complete());
 }
+
+/// A pathological schema is refused with an error naming the problem: by llguidance's size limit
+/// (thousands of alternatives of many properties), or by the wall-clock bound.
+#[tokio::test]
+async fn pathological_schemas_are_refused_quickly() {
+    let alternatives: Vec<serde_json::Value> = (0..2000)
+        .map(|i| {
+            let properties: serde_json::Map<String, serde_json::Value> = (0..20)
+                .map(|j| (format!("p{i}_{j}"), serde_json::json!({"type": "integer"})))
+                .collect();
+            serde_json::json!({"type": "object", "properties": properties})
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let error = compiler()
+        .compile(&GrammarSpec::JsonSchema(serde_json::json!({"anyOf": alternatives})))
+        .await
+        .expect_err("too large");
+    assert!(
+        matches!(&error, GrammarError::Invalid(m) if m.contains("too large")),
+        "{error}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    let values: Vec<String> = (0..20_000).map(|i| format!("value-{i}")).collect();
+    let error = build_compiler()
+        .with_timeout(std::time::Duration::from_millis(1))
+        .compile(&GrammarSpec::JsonSchema(serde_json::json!({"enum": values})))
+        .await
+        .expect_err("too slow");
+    assert!(error.to_string().contains("--grammar-compile-timeout"), "{error}");
+}
