@@ -24,7 +24,6 @@ use std::{
 use llguidance::{api::TopLevelGrammar, Matcher, ParserFactory};
 use thiserror::Error;
 
-pub(crate) use spec::escape_regex;
 pub use spec::GrammarSpec;
 
 /// Compiled grammars kept at once; the cache is emptied when it fills (grammars are cheap to

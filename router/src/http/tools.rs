@@ -297,6 +297,30 @@ mod tests {
         }
     }
 
+    /// For a reasoning model the triggered grammar starts after the thinking: a trigger inside the
+    /// thinking is free text, one in the answer starts calls that must be valid.
+    #[tokio::test]
+    async fn auto_holds_after_the_thinking() {
+        use crate::grammar::tests::{accepts, allows_eos};
+        let offered = OfferedTools::from_request(&request(json!({"tools": two_tools()})))
+            .expect("valid")
+            .expect("tools");
+        let spec = GrammarSpec::AfterReasoning {
+            is_open: true,
+            answer: Box::new(offered.grammar(ToolCallFormat::Hermes)),
+        };
+        let grammar = crate::grammar::tests::compile(spec).await;
+        let mut matcher = grammar.matcher();
+        assert!(accepts(
+            &mut matcher,
+            "maybe <tool_call> x</think>\nSure. <tool_call>\n"
+        ));
+        assert!(!accepts(&mut matcher, "x"));
+        let mut matcher = grammar.matcher();
+        assert!(accepts(&mut matcher, "hmm</think>\nNo call needed."));
+        assert!(allows_eos(&mut matcher));
+    }
+
     #[test]
     fn bad_tools_are_400s_naming_the_problem() {
         let error = |body| OfferedTools::from_request(&request(body)).unwrap_err();

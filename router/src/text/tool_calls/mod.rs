@@ -19,7 +19,7 @@ mod qwen3_coder;
 
 use serde_json::Value;
 
-use crate::grammar::escape_regex;
+use super::escape_regex;
 
 pub use hermes::HermesParser;
 pub use llama3::Llama3Parser;
