@@ -123,6 +123,12 @@ impl GrammarCompiler {
         Ok(compiled)
     }
 
+    /// The id of `text` where the tokenizer has it as a special token (llguidance counts every added
+    /// `<...>` token as one): a grammar must name such a token, not spell its text.
+    pub fn special_token(&self, text: &str) -> Option<u32> {
+        self.factory.tok_env().tok_trie().get_special_token(text)
+    }
+
     /// Compiles on the calling thread (milliseconds to seconds for a large schema).
     pub fn compile_now(&self, grammar: TopLevelGrammar) -> Result<CompiledGrammar, GrammarError> {
         let parser = self

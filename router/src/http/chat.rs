@@ -32,7 +32,7 @@ use crate::{
     grammar::GrammarSpec,
     text::{
         reasoning::{ReasoningFormat, ReasoningParser},
-        tool_calls::{self, Function, ToolCallFormat, ToolCallParser},
+        tool_calls::{self, Function, Markers, ToolCallFormat, ToolCallParser},
     },
     validation::{GenerateInput, Prompt, ValidationError},
 };
@@ -189,7 +189,8 @@ async fn output_grammar(
     let guided = guided::from_openai(&request.guided)?;
     let mut grammar = guided;
     if let Some(tools) = tools {
-        let spec = tools.grammar(state.tool_call_format);
+        let special_token = |marker: &str| state.validator.special_token(marker);
+        let spec = tools.grammar(state.tool_call_format, &Markers(&special_token));
         match &grammar {
             Some((_, field)) if tools.is_enforced() => {
                 return Err(ApiError::Unsupported {

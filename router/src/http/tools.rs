@@ -15,7 +15,7 @@ use super::ApiError;
 use crate::{
     api::openai::{ChatCompletionRequest, Tool},
     grammar::GrammarSpec,
-    text::tool_calls::{Function, ToolCallFormat},
+    text::tool_calls::{Function, Markers, ToolCallFormat},
 };
 
 /// What the model must do with the tools.
@@ -136,8 +136,9 @@ impl OfferedTools {
     }
 
     /// The grammar of the answer: calls (in `format`) of the tools the choice allows, after free text
-    /// under `auto`. Compiling it also checks every tool's `parameters` schema.
-    pub fn grammar(&self, format: ToolCallFormat) -> GrammarSpec {
+    /// under `auto`, the format's markers written as `markers` says. Compiling it also checks every
+    /// tool's `parameters` schema.
+    pub fn grammar(&self, format: ToolCallFormat, markers: &Markers) -> GrammarSpec {
         let functions: Vec<Function> = self
             .functions()
             .into_iter()
@@ -147,7 +148,7 @@ impl OfferedTools {
             })
             .collect();
         let is_triggered = self.choice == ToolChoice::Auto;
-        GrammarSpec::Lark(format.lark(&functions, self.is_parallel, is_triggered))
+        GrammarSpec::Lark(format.lark(&functions, self.is_parallel, is_triggered, markers))
     }
 
     /// Whether the output must be calls (not free text first).
@@ -229,7 +230,8 @@ mod tests {
                     "parallel_tool_calls": parallel})))
                 .expect("valid")
                 .expect("tools");
-                let grammar = crate::grammar::tests::compile(offered.grammar(format)).await;
+                let grammar =
+                    crate::grammar::tests::compile(offered.grammar(format, &crate::grammar::tests::markers())).await;
                 let mut num_finished = 0;
                 for seed in 0..60 {
                     let (text, finished) = crate::grammar::tests::random_walk(&grammar, seed, 400);
@@ -259,7 +261,8 @@ mod tests {
             .expect("valid")
             .expect("tools");
         for &format in formats() {
-            let grammar = crate::grammar::tests::compile(offered.grammar(format)).await;
+            let grammar =
+                crate::grammar::tests::compile(offered.grammar(format, &crate::grammar::tests::markers())).await;
             let mut matcher = grammar.matcher();
             assert!(accepts(&mut matcher, "No call: a < b, [TOOL] {x}.\n"), "{format:?}");
             assert!(allows_eos(&mut matcher), "{format:?}");
@@ -297,8 +300,8 @@ mod tests {
         }
     }
 
-    /// For a reasoning model the triggered grammar starts after the thinking: a trigger inside the
-    /// thinking is free text, one in the answer starts calls that must be valid.
+    /// For a reasoning model the triggered grammar starts after the thinking: the thinking is free
+    /// text (calls may be discussed in it), a trigger in the answer starts calls that must be valid.
     #[tokio::test]
     async fn auto_holds_after_the_thinking() {
         use crate::grammar::tests::{accepts, allows_eos};
@@ -307,18 +310,37 @@ mod tests {
             .expect("tools");
         let spec = GrammarSpec::AfterReasoning {
             is_open: true,
-            answer: Box::new(offered.grammar(ToolCallFormat::Hermes)),
+            answer: Box::new(offered.grammar(ToolCallFormat::Hermes, &crate::grammar::tests::markers())),
         };
         let grammar = crate::grammar::tests::compile(spec).await;
         let mut matcher = grammar.matcher();
         assert!(accepts(
             &mut matcher,
-            "maybe <tool_call> x</think>\nSure. <tool_call>\n"
+            "call get_weather? {x}</think>\nSure. <tool_call>\n"
         ));
         assert!(!accepts(&mut matcher, "x"));
         let mut matcher = grammar.matcher();
         assert!(accepts(&mut matcher, "hmm</think>\nNo call needed."));
         assert!(allows_eos(&mut matcher));
+    }
+
+    /// Where the trigger is a special token (as Qwen's `<tool_call>` is), calls start at that token,
+    /// and the trigger spelled in plain characters is refused (the parser would read it as a call).
+    #[tokio::test]
+    async fn a_special_token_trigger_is_the_token() {
+        use crate::grammar::tests::accepts;
+        let offered = OfferedTools::from_request(&request(json!({"tools": two_tools()})))
+            .expect("valid")
+            .expect("tools");
+        let spec = offered.grammar(ToolCallFormat::Hermes, &crate::grammar::tests::markers());
+        assert!(
+            matches!(&spec, GrammarSpec::Lark(lark) if lark.contains("<[97]>")),
+            "{spec:?}"
+        );
+        let grammar = crate::grammar::tests::compile(spec).await;
+        let mut matcher = grammar.matcher();
+        assert!(accepts(&mut matcher, "a <tool_call"));
+        assert!(!accepts(&mut matcher, ">"));
     }
 
     #[test]

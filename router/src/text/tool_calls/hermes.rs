@@ -3,18 +3,20 @@
 //! have no tool support of their own (`chat_template`): [`system_prompt`], [`render_call`] and
 //! [`render_response`] write the tools, calls and results as Qwen2.5's template does.
 
-use super::{super::held_len, json_call_rule, CallStream, CallsGrammar, Function, Parsed};
+use super::{super::held_len, json_call_rule, CallStream, CallsGrammar, Function, Markers, Parsed};
 
 pub const START: &str = "<tool_call>";
 pub const END: &str = "</tool_call>";
 
 /// Grammar: one call block, or (`is_parallel`) several, separated by a newline.
-pub(super) fn grammar(functions: &[Function], is_parallel: bool) -> CallsGrammar {
+pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Markers) -> CallsGrammar {
     let repeat = if is_parallel { " (\"\\n\" block)*" } else { "" };
     CallsGrammar {
         after: format!("rest{repeat}"),
         rules: format!(
-            "block: \"{START}\" rest\nrest: \"\\n\" call \"\\n{END}\"\ncall: {}\n",
+            "block: {} rest\nrest: \"\\n\" call \"\\n\" {}\ncall: {}\n",
+            markers.lark(START),
+            markers.lark(END),
             json_call_rule(functions, "arguments")
         ),
         untriggered: None,

@@ -5,7 +5,8 @@
 use serde_json::Value;
 
 use super::{
-    super::held_len, compact_json, json_object_len, lark_string, CallStream, CallsGrammar, Function, Parsed, ToolCall,
+    super::held_len, compact_json, json_object_len, lark_string, CallStream, CallsGrammar, Function, Markers, Parsed,
+    ToolCall,
 };
 
 pub const START: &str = "[TOOL_CALLS]";
@@ -13,17 +14,17 @@ pub const ARGS: &str = "[ARGS]";
 
 /// Grammar: the marker, a function's name, `[ARGS]` and its arguments; again (`is_parallel`) for
 /// each further call.
-pub(super) fn grammar(functions: &[Function], is_parallel: bool) -> CallsGrammar {
+pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Markers) -> CallsGrammar {
     let repeat = if is_parallel {
-        format!(" ({} call)*", lark_string(START))
+        format!(" ({} call)*", markers.lark(START))
     } else {
         String::new()
     };
     let alternatives: Vec<String> = (0..functions.len()).map(|i| format!("call_{i}")).collect();
     let mut rules = format!("call: {}\n", alternatives.join(" | "));
     for (i, function) in functions.iter().enumerate() {
-        let head = lark_string(&format!("{}{ARGS}", function.name));
-        rules.push_str(&format!("call_{i}: {head} %json {}\n", function.parameters));
+        let (name, args) = (lark_string(&function.name), markers.lark(ARGS));
+        rules.push_str(&format!("call_{i}: {name} {args} %json {}\n", function.parameters));
     }
     CallsGrammar {
         after: format!("call{repeat}"),

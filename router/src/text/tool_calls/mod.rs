@@ -107,13 +107,13 @@ impl ToolCallFormat {
     /// follow their schemas: one call unless `is_parallel`. With `is_triggered`, free text (without
     /// the format's trigger) comes first and the calls are optional: the model may answer without
     /// calling, but once it writes the trigger, calls must follow and nothing after them.
-    pub fn lark(self, functions: &[Function], is_parallel: bool, is_triggered: bool) -> String {
+    pub fn lark(self, functions: &[Function], is_parallel: bool, is_triggered: bool, markers: &Markers) -> String {
         let grammar = match self {
-            Self::Hermes => hermes::grammar(functions, is_parallel),
+            Self::Hermes => hermes::grammar(functions, is_parallel, markers),
             Self::Llama3 => llama3::grammar(functions, is_parallel),
             Self::Mistral => mistral::grammar(functions, is_parallel),
-            Self::MistralArgs => mistral_args::grammar(functions, is_parallel),
-            Self::Qwen3Coder => qwen3_coder::grammar(functions, is_parallel),
+            Self::MistralArgs => mistral_args::grammar(functions, is_parallel, markers),
+            Self::Qwen3Coder => qwen3_coder::grammar(functions, is_parallel, markers),
         };
         let CallsGrammar {
             after,
@@ -121,13 +121,16 @@ impl ToolCallFormat {
             untriggered,
         } = grammar;
         let trigger = self.trigger();
-        let trigger_literal = lark_string(trigger);
+        let trigger_atom = if trigger.is_empty() {
+            String::new()
+        } else {
+            markers.lark(trigger)
+        };
         if !is_triggered {
-            return format!("start: {trigger_literal} {after}\n{rules}");
+            return format!("start: {trigger_atom} {after}\n{rules}");
         }
         let trigger_regex = escape_regex(trigger).replace('/', "\\/");
-        // FREE: any text without the trigger (nor what reads as calls without it); prefix: text up to
-        // and with the first trigger (lazy: it ends there).
+        // FREE: any text without the trigger's text (nor what reads as calls without it).
         let mut free = String::from("/(.|\\n)*/");
         if !trigger.is_empty() {
             free.push_str(&format!(" & ~/(.|\\n)*{trigger_regex}(.|\\n)*/"));
@@ -137,10 +140,33 @@ impl ToolCallFormat {
         }
         let start = if trigger.is_empty() {
             format!("start: FREE | {after}\n")
+        } else if markers.is_special(trigger) {
+            // Text never holds a special token: the calls start at the trigger's token.
+            format!("start: FREE | FREE? {trigger_atom} {after}\n")
         } else {
+            // prefix: the text up to and with the first trigger (lazy: it ends there).
             format!("start: FREE | prefix {after}\nprefix[lazy]: /(.|\\n)*{trigger_regex}/\n")
         };
         format!("{start}FREE: {free}\n{rules}")
+    }
+}
+
+/// How a grammar writes a format's markers: as the tokenizer's special token where it has one (a
+/// model writes such a marker as that one token, which llguidance's text literal would not match:
+/// it counts every added `<...>` token, Qwen's `<tool_call>` among them, as special), else as text.
+pub struct Markers<'a>(pub &'a dyn Fn(&str) -> Option<u32>);
+
+impl Markers<'_> {
+    fn is_special(&self, marker: &str) -> bool {
+        (self.0)(marker).is_some()
+    }
+
+    /// The marker as a Lark atom: `<[id]>` or a string literal.
+    fn lark(&self, marker: &str) -> String {
+        match (self.0)(marker) {
+            Some(id) => format!("<[{id}]>"),
+            None => lark_string(marker),
+        }
     }
 }
 

@@ -16,7 +16,7 @@
 
 use serde_json::Value;
 
-use super::{super::held_len, hermes, lark_string, CallStream, CallsGrammar, Function, Parsed, ToolCall};
+use super::{super::held_len, hermes, lark_string, CallStream, CallsGrammar, Function, Markers, Parsed, ToolCall};
 
 pub const START: &str = hermes::START;
 pub const END: &str = hermes::END;
@@ -41,13 +41,13 @@ fn is_text(schema: Option<&Value>) -> bool {
 /// parameters come in the order of its schema's `properties`, the required ones always; a string
 /// value is any text up to the first `\n</parameter>` (one of its `enum` where it has one), any
 /// other value JSON following its schema.
-pub(super) fn grammar(functions: &[Function], is_parallel: bool) -> CallsGrammar {
+pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Markers) -> CallsGrammar {
     let repeat = if is_parallel { " (\"\\n\" block)*" } else { "" };
     let alternatives: Vec<String> = (0..functions.len()).map(|i| format!("function_{i}")).collect();
     let mut rules = format!(
-        "block: {} rest\nrest: \"\\n\" call {}\ncall: {}\ntext_value[lazy]: /(.|\\n)*\\n<\\/parameter>/\n",
-        lark_string(START),
-        lark_string(&format!("\n{END}")),
+        "block: {} rest\nrest: \"\\n\" call \"\\n\" {}\ncall: {}\ntext_value[lazy]: /(.|\\n)*\\n<\\/parameter>/\n",
+        markers.lark(START),
+        markers.lark(END),
         alternatives.join(" | ")
     );
     for (i, function) in functions.iter().enumerate() {
