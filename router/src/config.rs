@@ -142,9 +142,10 @@ pub struct Args {
     #[arg(long = "cors-allow-origin", env = "RILL_CORS_ALLOW_ORIGIN", value_name = "ORIGIN")]
     pub cors_allow_origins: Vec<String>,
     /// How the model writes tool calls: `hermes` (`<tool_call>{...}</tool_call>`, Qwen and Hermes models),
-    /// `llama3` (a `{"name", "parameters"}` object) or `mistral` (`[TOOL_CALLS][...]`). Unset: the format
-    /// whose markers the chat template shows, else `hermes` (templates without tool support are given
-    /// the tools the Hermes way).
+    /// `qwen3_coder` (`<tool_call><function=...><parameter=...>`), `llama3` (a `{"name", "parameters"}`
+    /// object), `mistral` (`[TOOL_CALLS][...]`) or `mistral_args` (`[TOOL_CALLS]name[ARGS]{...}`). Unset:
+    /// the format whose markers the chat template shows, else `hermes` (templates without tool support
+    /// are given the tools the Hermes way).
     #[arg(long, env = "RILL_TOOL_CALL_PARSER", value_enum, hide_possible_values = true)]
     pub tool_call_parser: Option<ToolCallFormat>,
     /// Separate a reasoning model's `<think>...</think>` from its answer, as `reasoning_content`:
@@ -163,6 +164,10 @@ pub struct Args {
     /// Seconds a stored response is kept (retrievable, and continued by `previous_response_id`).
     #[arg(long, env = "RILL_RESPONSES_STORE_TTL_SECS", default_value_t = 3600)]
     pub responses_store_ttl_secs: u64,
+    /// Seconds a request's grammar (`response_format`, `guided_*`, tools' schemas) may take to compile;
+    /// one that takes longer gets a 400 (llguidance's own size and work limits stop most sooner).
+    #[arg(long, env = "RILL_GRAMMAR_COMPILE_TIMEOUT", default_value_t = 5.0)]
+    pub grammar_compile_timeout: f64,
     /// Log each prompt's text (never logged otherwise).
     #[arg(long, env = "RILL_LOG_PROMPTS")]
     pub log_prompts: bool,
@@ -336,6 +341,8 @@ pub struct Config {
     pub tool_call_parser: Option<ToolCallFormat>,
     /// `--reasoning-parser`; None = answers are not split.
     pub reasoning_parser: Option<ReasoningFormat>,
+    /// `--grammar-compile-timeout`: the longest a grammar may take to compile.
+    pub grammar_compile_timeout: Duration,
     pub log_prompts: bool,
     pub limits: LimitsConfig,
     pub batch: BatchConfig,
@@ -361,6 +368,11 @@ impl Config {
         anyhow::ensure!(
             args.responses_store_ttl_secs > 0,
             "--responses-store-ttl-secs must be positive"
+        );
+        anyhow::ensure!(
+            args.grammar_compile_timeout > 0.0 && args.grammar_compile_timeout <= MAX_TIMEOUT_S,
+            "--grammar-compile-timeout must be a positive number of seconds, got {}",
+            args.grammar_compile_timeout
         );
         anyhow::ensure!(
             args.forward_timeout.is_none_or(|s| s > 0.0 && s.is_finite()),
@@ -419,6 +431,7 @@ impl Config {
             cors_allow_origins: args.cors_allow_origins,
             tool_call_parser: args.tool_call_parser,
             reasoning_parser: args.reasoning_parser,
+            grammar_compile_timeout: Duration::from_secs_f64(args.grammar_compile_timeout),
             log_prompts: args.log_prompts,
             responses_store: StoreBounds {
                 max_entries: args.responses_store_max_entries,

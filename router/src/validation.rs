@@ -331,6 +331,11 @@ impl Validator {
     }
 
     /// Compiles (or finds in the cache) the grammar `field` gave; errors name the field.
+    /// The id of `text` as a special token of the grammar compiler's tokenizer, if it is one.
+    pub fn special_token(&self, text: &str) -> Option<u32> {
+        self.grammar.as_ref()?.special_token(text)
+    }
+
     pub async fn compile_grammar(
         &self,
         spec: &GrammarSpec,

@@ -1,15 +1,19 @@
 """End to end: tool calling and reasoning with the default 135M model, whose template has no tool support
 (so Rill offers the tools the Hermes way). With the official `openai` client: `tool_choice="required"` and a
-named tool always give calls whose arguments validate against the tool's schema (`jsonschema`), a full round
-trip (assistant `tool_calls`, then a `tool` message, then an answer), and streamed tool-call deltas that
-reassemble into the non-streamed calls; `langchain-openai` completes a forced tool call; bad tools are 400s
-naming the problem. A server with `--reasoning-parser deepseek_r1` puts the answer's thinking into
+named tool always give calls whose arguments validate against the tool's schema (`jsonschema`), and so does
+`auto` (free text, but once the model writes `<tool_call>` the grammar holds it to valid calls) over 50
+sampled requests; a full round trip (assistant `tool_calls`, then a `tool` message, then an answer), and
+streamed tool-call arguments that arrive in several pieces and reassemble into the non-streamed calls;
+`langchain-openai` completes a forced tool call; bad tools and pathological schemas are quick 400s naming the
+problem. A server with `--reasoning-parser deepseek_r1` puts the answer's thinking into
 `reasoning_content`, streamed and not alike."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -93,6 +97,52 @@ def test_required_and_named_choices_always_call_valid_tools(client: openai.OpenA
         check_calls(named.message.tool_calls, {"get_time"})
 
 
+def test_auto_calls_are_always_valid(client: openai.OpenAI) -> None:
+    """50 seeded answers at temperature 1 under `auto`: each either answers in text (which never holds the
+    trigger) or makes calls, and every call validates against its tool's schema."""
+    # An instruction, and one call and its answer earlier in the conversation, invite the small model to
+    # call again.
+    instruction = "Use the get_weather tool: call it for {}. Reply with <tool_call> only."
+    earlier_call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "celsius"})},
+    }
+    messages = [
+        {"role": "user", "content": instruction.format("Rome")},
+        {"role": "assistant", "content": None, "tool_calls": [earlier_call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": json.dumps({"temperature": 20})},
+        {"role": "assistant", "content": "It is 20 degrees in Rome."},
+        {"role": "user", "content": instruction.format("Paris")},
+    ]
+
+    def ask(seed: int) -> openai.types.chat.chat_completion.Choice:
+        return client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=80,
+            seed=seed,
+            temperature=1.0,
+        ).choices[0]
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        choices = list(pool.map(ask, range(50)))
+    num_calling = 0
+    for choice in choices:
+        if choice.message.tool_calls:
+            num_calling += 1
+            check_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+            assert choice.finish_reason in ("tool_calls", "length"), choice
+        else:
+            # Free text never holds the trigger, unless it is a call that `max_tokens` cut off.
+            assert "<tool_call>" not in (choice.message.content or "") or choice.finish_reason == "length", (
+                choice
+            )
+    print(f"{num_calling} of 50 answers under auto made calls")
+    assert num_calling >= 5, f"only {num_calling} of 50 answers made calls"
+
+
 def test_a_round_trip_through_a_tool(client: openai.OpenAI) -> None:
     first = (
         client.chat.completions.create(
@@ -146,12 +196,15 @@ def test_streamed_tool_calls_reassemble_into_the_unstreamed_ones(client: openai.
             content += choice.delta.content or ""
             finish_reason = choice.finish_reason or finish_reason
             for delta in choice.delta.tool_calls or []:
-                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": "", "num_pieces": 0})
+                assert (delta.function.name is not None) == (call["num_pieces"] == 0), delta
+                call["num_pieces"] += 1
                 call["id"] += delta.id or ""
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
     assert finish_reason == whole.finish_reason == "tool_calls"
     assert content == (whole.message.content or "")
+    assert all(calls[i]["num_pieces"] > 1 for i in calls), calls
     streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
     assert streamed == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
     assert all(calls[i]["id"].startswith("call_") for i in calls)
@@ -186,6 +239,34 @@ def test_bad_tools_are_400s_naming_the_problem(server: Server) -> None:
     assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "tools", invalid.text
     both = post(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     assert both.status_code == 422 and "response_format" in both.text, both.text
+
+
+def test_a_pathological_schema_is_a_quick_400(server: Server, client: openai.OpenAI) -> None:
+    """Thousands of alternatives of many properties (as a `response_format`: as a tool's `parameters` it
+    would first overflow the prompt): llguidance's size limit refuses it in well under a second, and the
+    server answers the next request."""
+    alternatives = [
+        {"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"} for j in range(20)}}
+        for i in range(2000)
+    ]
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "huge", "schema": {"anyOf": alternatives}},
+    }
+    started = time.monotonic()
+    refused = requests.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 4, "response_format": response_format},
+        timeout=60,
+    )
+    assert time.monotonic() - started < 5
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "response_format" and "too large" in error["message"], error
+    answer = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 @pytest.fixture(scope="module")

@@ -226,16 +226,26 @@ pub struct FunctionCall {
     pub arguments: String,
 }
 
-/// A tool call in a stream chunk: sent whole, once the model finished writing it.
+/// A piece of a tool call in a stream chunk, as the model writes it: the first of a call carries its
+/// `id`, `type` and `function.name`; each piece's `function.arguments` appends to the call's.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ToolCallDelta {
     /// Position of the call among the choice's calls.
     pub index: u32,
-    pub id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
     /// "function".
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    pub function: FunctionCall,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallDelta,
+}
+
+/// A piece of a call's function: its name (first piece only) and more of its arguments' JSON text.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 /// `POST /v1/chat/completions`.

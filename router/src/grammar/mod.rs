@@ -4,7 +4,9 @@
 //!
 //! Ownership: `GrammarCompiler` is shared by the HTTP handlers; it compiles on the blocking pool (never
 //! on the engine loop) and caches compiled grammars by their text, since one router serves one
-//! tokenizer. Each sequence gets its own `GrammarMatcher` (a cheap clone of the compiled grammar),
+//! tokenizer. Compilation is bounded: llguidance's `ParserLimits` (grammar size, lexer work) refuse an
+//! oversized grammar, and a wall-clock bound (`--grammar-compile-timeout`) answers the request
+//! once it is spent (the compile, bounded by the limits, finishes on its blocking thread unseen). Each sequence gets its own `GrammarMatcher` (a cheap clone of the compiled grammar),
 //! owned by the engine: the engine asks it for the allowed-token bitmask before a sampled step and
 //! feeds it the sampled token after. EOS is allowed exactly when the grammar is complete, so a
 //! sequence that runs out of `max_new_tokens` first ends with `length`, never with invalid output
@@ -16,6 +18,7 @@ use std::{
     collections::HashMap,
     path::Path,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use llguidance::{api::TopLevelGrammar, Matcher, ParserFactory};
@@ -43,7 +46,12 @@ pub struct GrammarCompiler {
     cache: Arc<Mutex<HashMap<String, CompiledGrammar>>>,
     /// Where each `compile` reports its time, labelled `hit` or `miss` (`rill_grammar_compile_seconds`).
     compile_seconds: Option<prometheus::HistogramVec>,
+    /// The longest a compile may take before the request is refused.
+    timeout: Duration,
 }
+
+/// `--grammar-compile-timeout`'s default.
+const DEFAULT_COMPILE_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl GrammarCompiler {
     /// Builds the token trie of `tokenizer.json` for a model whose logits have `vocab_size` entries;
@@ -61,7 +69,14 @@ impl GrammarCompiler {
             factory: Arc::new(factory),
             cache: Arc::default(),
             compile_seconds: None,
+            timeout: DEFAULT_COMPILE_TIMEOUT,
         })
+    }
+
+    /// Refuses grammars that take longer than `timeout` to compile.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// Reports the time of every `compile` into `histogram` (labelled by `cache`: `hit` or `miss`).
@@ -88,8 +103,15 @@ impl GrammarCompiler {
         }
         let grammar = spec.to_llguidance()?;
         let compiler = self.clone();
-        let compiled = tokio::task::spawn_blocking(move || compiler.compile_now(grammar))
+        let compiling = tokio::task::spawn_blocking(move || compiler.compile_now(grammar));
+        let compiled = tokio::time::timeout(self.timeout, compiling)
             .await
+            .map_err(|_| {
+                GrammarError::Invalid(format!(
+                    "the grammar took longer than {:?} to compile (--grammar-compile-timeout): simplify the schema",
+                    self.timeout
+                ))
+            })?
             .map_err(|e| GrammarError::Internal(e.to_string()))??;
         let mut cache = self.cache.lock().expect("never poisoned");
         if cache.len() >= MAX_CACHED_GRAMMARS {
@@ -99,6 +121,12 @@ impl GrammarCompiler {
         drop(cache);
         self.observe("miss", started);
         Ok(compiled)
+    }
+
+    /// The id of `text` where the tokenizer has it as a special token (llguidance counts every added
+    /// `<...>` token as one): a grammar must name such a token, not spell its text.
+    pub fn special_token(&self, text: &str) -> Option<u32> {
+        self.factory.tok_env().tok_trie().get_special_token(text)
     }
 
     /// Compiles on the calling thread (milliseconds to seconds for a large schema).

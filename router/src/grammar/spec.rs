@@ -5,7 +5,10 @@ use llguidance::api::{GrammarWithLexer, TopLevelGrammar};
 use serde_json::Value;
 
 use super::GrammarError;
-use crate::text::reasoning::{THINK_END, THINK_START};
+use crate::text::{
+    escape_regex,
+    reasoning::{THINK_END, THINK_START},
+};
 
 /// The name `AfterReasoning` gives its inner grammar.
 const ANSWER: &str = "answer";
@@ -81,16 +84,4 @@ impl GrammarSpec {
             }
         })
     }
-}
-
-/// `text` as a regex that matches exactly it.
-fn escape_regex(text: &str) -> String {
-    let mut escaped = String::with_capacity(text.len());
-    for ch in text.chars() {
-        if "\\.+*?()|[]{}^$#&-~".contains(ch) {
-            escaped.push('\\');
-        }
-        escaped.push(ch);
-    }
-    escaped
 }

@@ -5,11 +5,20 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use tokenizers::{models::bpe::BPE, pre_tokenizers::byte_level::ByteLevel, AddedToken, Tokenizer};
 
 use super::*;
+use crate::text::tool_calls::Markers;
 
 /// Printable ASCII, one token per character (ids 0..95, byte-level: the space is `Ġ`), then `<eos>`
-/// (id 95) and a newline (id 96); logits have 100 entries.
+/// (id 95), a newline (id 96), and `<tool_call>` (97) and `</tool_call>` (98) as added tokens (as in
+/// Qwen's tokenizer, where llguidance counts them as special tokens); logits have 100 entries.
 const EOS: u32 = 95;
 const NEWLINE: u32 = 96;
+const TOOL_CALL: u32 = 97;
+const TOOL_CALL_END: u32 = 98;
+const ADDED: [(u32, &str); 3] = [
+    (NEWLINE, "\n"),
+    (TOOL_CALL, "<tool_call>"),
+    (TOOL_CALL_END, "</tool_call>"),
+];
 const VOCAB_SIZE: u32 = 100;
 
 /// The token of a character of the test vocabulary.
@@ -21,12 +30,37 @@ pub(crate) fn token_of(ch: char) -> u32 {
     }
 }
 
-fn char_of(token: u32) -> char {
-    if token == NEWLINE {
-        '\n'
-    } else {
-        char::from(b' ' + token as u8)
+/// The tokens of `text`: its added tokens whole, every other character alone.
+fn tokens_of(mut text: &str) -> Vec<u32> {
+    let mut tokens = Vec::new();
+    while let Some(ch) = text.chars().next() {
+        match ADDED.iter().find(|(_, added)| text.starts_with(added)) {
+            Some(&(token, added)) => {
+                tokens.push(token);
+                text = &text[added.len()..];
+            }
+            None => {
+                tokens.push(token_of(ch));
+                text = &text[ch.len_utf8()..];
+            }
+        }
     }
+    tokens
+}
+
+fn text_of(token: u32) -> String {
+    match ADDED.iter().find(|(added, _)| *added == token) {
+        Some((_, text)) => (*text).to_owned(),
+        None => char::from(b' ' + token as u8).to_string(),
+    }
+}
+
+/// How grammars for the test vocabulary write tool-call markers.
+pub(crate) fn markers() -> Markers<'static> {
+    fn special_token(text: &str) -> Option<u32> {
+        compiler().special_token(text)
+    }
+    Markers(&special_token)
 }
 
 /// One compiler for every test (they run in parallel; its cache is shared).
@@ -51,7 +85,11 @@ fn build_compiler() -> GrammarCompiler {
     tokenizer.with_pre_tokenizer(Some(byte_level));
     tokenizer.with_decoder(Some(byte_level));
     tokenizer.add_special_tokens(&[AddedToken::from("<eos>", true)]);
-    tokenizer.add_tokens(&[AddedToken::from("\n", false)]);
+    tokenizer.add_tokens(&[
+        AddedToken::from("\n", false),
+        AddedToken::from("<tool_call>", false),
+        AddedToken::from("</tool_call>", false),
+    ]);
     let dir = std::env::temp_dir().join(format!("rill-grammar-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("tokenizer.json");
@@ -66,15 +104,38 @@ fn is_allowed(mask: &[u32], token: u32) -> bool {
 
 /// Samples uniformly among the allowed tokens until EOS; returns the text and whether EOS ended it.
 pub(crate) fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usize) -> (String, bool) {
+    random_walk_after(grammar, "", seed, max_tokens)
+}
+
+/// Whether `text` (one token per character) is accepted: its tokens allowed one after the other.
+pub(crate) fn accepts(matcher: &mut GrammarMatcher, text: &str) -> bool {
+    tokens_of(text)
+        .into_iter()
+        .all(|token| is_allowed(&matcher.allowed_tokens().expect("mask"), token) && matcher.accept(token).is_ok())
+}
+
+/// Whether EOS is allowed now.
+pub(crate) fn allows_eos(matcher: &mut GrammarMatcher) -> bool {
+    is_allowed(&matcher.allowed_tokens().expect("mask"), EOS)
+}
+
+/// [`random_walk`] from the state after `prefix` (which must be accepted), its text included.
+pub(crate) fn random_walk_after(
+    grammar: &CompiledGrammar,
+    prefix: &str,
+    seed: u64,
+    max_tokens: usize,
+) -> (String, bool) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut matcher = grammar.matcher();
-    let mut text = String::new();
+    assert!(accepts(&mut matcher, prefix), "{prefix:?} refused");
+    let mut text = prefix.to_owned();
     for _ in 0..max_tokens {
         let mask = matcher.allowed_tokens().expect("mask");
         let allowed: Vec<u32> = (0..VOCAB_SIZE).filter(|&t| is_allowed(&mask, t)).collect();
         assert!(!allowed.is_empty(), "an empty mask after {text:?}");
         assert!(
-            allowed.iter().all(|&t| t <= NEWLINE),
+            allowed.iter().all(|&t| t <= TOOL_CALL_END),
             "padding tokens allowed: {allowed:?}"
         );
         // Prefer continuing, so walks explore long outputs, but take EOS sometimes when allowed.
@@ -92,7 +153,7 @@ pub(crate) fn random_walk(grammar: &CompiledGrammar, seed: u64, max_tokens: usiz
             return (text, true);
         }
         matcher.accept(token).expect("an allowed token is accepted");
-        text.push(char_of(token));
+        text.push_str(&text_of(token));
     }
     (text, false)
 }
@@ -230,4 +291,35 @@ async fn after_reasoning_the_grammar_holds_and_not_before() {
     assert!(!matcher.is_complete() && !allows(&mut matcher, 'x'));
     walk(&mut matcher, "123");
     assert!(matcher.is_complete());
+}
+
+/// A pathological schema is refused with an error naming the problem: by llguidance's size limit
+/// (thousands of alternatives of many properties), or by the wall-clock bound.
+#[tokio::test]
+async fn pathological_schemas_are_refused_quickly() {
+    let alternatives: Vec<serde_json::Value> = (0..2000)
+        .map(|i| {
+            let properties: serde_json::Map<String, serde_json::Value> = (0..20)
+                .map(|j| (format!("p{i}_{j}"), serde_json::json!({"type": "integer"})))
+                .collect();
+            serde_json::json!({"type": "object", "properties": properties})
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    let error = compiler()
+        .compile(&GrammarSpec::JsonSchema(serde_json::json!({"anyOf": alternatives})))
+        .await
+        .expect_err("too large");
+    assert!(
+        matches!(&error, GrammarError::Invalid(m) if m.contains("too large")),
+        "{error}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    let values: Vec<String> = (0..20_000).map(|i| format!("value-{i}")).collect();
+    let error = build_compiler()
+        .with_timeout(std::time::Duration::from_millis(1))
+        .compile(&GrammarSpec::JsonSchema(serde_json::json!({"enum": values})))
+        .await
+        .expect_err("too slow");
+    assert!(error.to_string().contains("--grammar-compile-timeout"), "{error}");
 }

@@ -184,7 +184,8 @@ fn app_state(
         // Constrained decoding: the token trie of the tokenizer, built once.
         let grammar = GrammarCompiler::new(path, &shard_info.eos_token_ids, shard_info.vocab_size)
             .context("cannot build the grammar compiler's token trie")?
-            .with_metrics(engine.metrics.grammar_compile_seconds.clone());
+            .with_metrics(engine.metrics.grammar_compile_seconds.clone())
+            .with_timeout(config.grammar_compile_timeout);
         validator = validator.with_grammar(grammar);
     }
     let chat_template = model.chat_template;

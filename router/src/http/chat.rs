@@ -23,8 +23,8 @@ use crate::{
     api::{
         openai::{
             AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-            ChatCompletionResponse, ChatDelta, ChatLogprobs, ErrorResponse, FunctionCall, TokenLogprob, ToolCall,
-            ToolCallDelta, TopLogprob, Usage,
+            ChatCompletionResponse, ChatDelta, ChatLogprobs, ErrorResponse, FunctionCall, FunctionCallDelta,
+            TokenLogprob, ToolCall, ToolCallDelta, TopLogprob, Usage,
         },
         FinishReason,
     },
@@ -32,7 +32,7 @@ use crate::{
     grammar::GrammarSpec,
     text::{
         reasoning::{ReasoningFormat, ReasoningParser},
-        tool_calls::{self, ToolCallFormat, ToolCallParser},
+        tool_calls::{self, Function, Markers, ToolCallFormat, ToolCallParser},
     },
     validation::{GenerateInput, Prompt, ValidationError},
 };
@@ -57,6 +57,9 @@ pub(super) fn template_variables(
 pub(super) struct AnswerPiece {
     pub reasoning: String,
     pub content: String,
+    /// Pieces of the calls being written (for streams), numbered among the answer's calls.
+    pub deltas: Vec<tool_calls::CallDelta>,
+    /// Calls completed by this piece.
     pub calls: Vec<tool_calls::ToolCall>,
 }
 
@@ -69,10 +72,15 @@ pub(super) struct AnswerReader {
 }
 
 impl AnswerReader {
-    pub(super) fn new(reasoning: Option<ReasoningFormat>, tool_calls: Option<ToolCallFormat>, prompt: &str) -> Self {
+    /// `tool_calls`: the format calls are written in and the functions the answer may call.
+    pub(super) fn new(
+        reasoning: Option<ReasoningFormat>,
+        tool_calls: Option<(ToolCallFormat, &[Function])>,
+        prompt: &str,
+    ) -> Self {
         Self {
             reasoning: reasoning.map(|format| ReasoningParser::new(format, prompt)),
-            tool_calls: tool_calls.map(ToolCallFormat::parser),
+            tool_calls: tool_calls.map(|(format, functions)| format.parser(functions)),
             num_calls: 0,
         }
     }
@@ -99,6 +107,7 @@ impl AnswerReader {
                 parsed.append(parser.finish());
             }
             answer = parsed.content;
+            piece.deltas = parsed.deltas;
             piece.calls = parsed.calls;
         }
         piece.content = answer;
@@ -122,6 +131,20 @@ fn reply_call(call: tool_calls::ToolCall) -> ToolCall {
         function: FunctionCall {
             name: call.name,
             arguments: call.arguments,
+        },
+    }
+}
+
+/// A streamed piece of a call; its first piece gets the call's id.
+fn call_delta(delta: tool_calls::CallDelta) -> ToolCallDelta {
+    let is_first = delta.name.is_some();
+    ToolCallDelta {
+        index: delta.index,
+        id: is_first.then(|| format!("call_{}", uuid_like())),
+        kind: is_first.then_some("function"),
+        function: FunctionCallDelta {
+            name: delta.name,
+            arguments: delta.arguments,
         },
     }
 }
@@ -154,8 +177,9 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
     }
 }
 
-/// The output grammar: the tools' (for `required` and named choices) or the request's own (`guided`), at
-/// most one; after the thinking when a reasoning parser is set and the answer to `prompt` may still think.
+/// The output grammar: the tools' or the request's own, at most one; after the thinking when a
+/// reasoning parser is set and the answer to `prompt` may still think. Under `auto`, the tools'
+/// grammar (free text, then valid calls once the model starts one) gives way to a `response_format`.
 pub(super) async fn output_grammar(
     state: &AppState,
     guided: Option<(GrammarSpec, &'static str)>,
@@ -164,17 +188,18 @@ pub(super) async fn output_grammar(
 ) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
     let mut grammar = guided;
     if let Some(tools) = tools {
-        let spec = tools.grammar(state.tool_call_format);
-        if !tools.is_enforced() {
-            // `auto` constrains nothing; compiling (cached) still checks the tools' schemas.
-            state.validator.compile_grammar(&spec, "tools").await?;
-        } else if let Some((_, field)) = grammar {
-            return Err(ApiError::Unsupported {
-                message: format!("`tool_choice` asks for a tool call, which `{field}` would constrain too"),
-                param: field.into(),
-            });
-        } else {
-            grammar = Some((spec, "tools"));
+        let special_token = |marker: &str| state.validator.special_token(marker);
+        let spec = tools.grammar(state.tool_call_format, &Markers(&special_token));
+        match &grammar {
+            Some((_, field)) if tools.is_enforced() => {
+                return Err(ApiError::Unsupported {
+                    message: format!("`tool_choice` asks for a tool call, which `{field}` would constrain too"),
+                    param: (*field).into(),
+                })
+            }
+            // Compiling (cached) still checks the tools' schemas.
+            Some(_) => drop(state.validator.compile_grammar(&spec, "tools").await?),
+            None => grammar = Some((spec, "tools")),
         }
     }
     let reasoning = state
@@ -219,10 +244,15 @@ pub async fn chat_completions(
     )?;
     let guided = guided::from_openai(&request.guided)?;
     let grammar = output_grammar(&state, guided, tools.as_ref(), &prompt).await?;
-    let tool_call_format = tools.as_ref().map(|_| state.tool_call_format);
+    let tool_calls = tools.as_ref().map(|tools| (state.tool_call_format, tools.functions()));
     let new_reader = {
         let (reasoning, prompt) = (state.reasoning_format, prompt.clone());
-        move || AnswerReader::new(reasoning, tool_call_format, &prompt)
+        move || {
+            let tool_calls = tool_calls
+                .as_ref()
+                .map(|(format, functions)| (*format, functions.as_slice()));
+            AnswerReader::new(reasoning, tool_calls, &prompt)
+        }
     };
     // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
     let mut input = GenerateInput::new(
@@ -329,28 +359,14 @@ impl OpenAiFormat for Chat {
         let logprobs = self
             .wants_logprobs
             .then(|| chat_logprobs(state, std::slice::from_ref(event)));
-        let first_call = reader.num_calls;
         let piece = reader.push(&event.text, event.end.is_some());
         let finish = event.end.as_ref().map(|end| reader.finish_reason(end.finish_reason));
-        let has_more = !piece.reasoning.is_empty() || !piece.calls.is_empty();
+        let has_more = !piece.reasoning.is_empty() || !piece.deltas.is_empty();
         let delta = ChatDelta {
             role: None,
             content: (!piece.content.is_empty() || !has_more).then_some(piece.content),
             reasoning_content: (!piece.reasoning.is_empty()).then_some(piece.reasoning),
-            tool_calls: (!piece.calls.is_empty()).then(|| {
-                let calls = piece.calls.into_iter().zip(first_call..);
-                calls
-                    .map(|(call, index)| {
-                        let call = reply_call(call);
-                        ToolCallDelta {
-                            index,
-                            id: call.id,
-                            kind: "function",
-                            function: call.function,
-                        }
-                    })
-                    .collect()
-            }),
+            tool_calls: (!piece.deltas.is_empty()).then(|| piece.deltas.into_iter().map(call_delta).collect()),
         };
         ChatChunkChoice {
             index,

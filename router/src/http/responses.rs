@@ -306,9 +306,12 @@ pub async fn create(
     let permit = acquire(&state, 1)?;
     let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let events = receivers.pop().expect("one receiver per choice");
+    let functions = offered.as_ref().map(OfferedTools::functions);
     let reader = AnswerReader::new(
         state.reasoning_format,
-        offered.as_ref().map(|_| state.tool_call_format),
+        functions
+            .as_deref()
+            .map(|functions| (state.tool_call_format, functions)),
         &prompt_text,
     );
     let turn = Turn {

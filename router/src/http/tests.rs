@@ -99,6 +99,7 @@ async fn server_with(
         cors_allow_origins: Vec::new(),
         tool_call_parser: None,
         reasoning_parser: None,
+        grammar_compile_timeout: std::time::Duration::from_secs(5),
         log_prompts: false,
         responses_store: crate::config::StoreBounds {
             max_entries: 2,

@@ -1,11 +1,13 @@
 //! Tool calling on `/v1/chat/completions`, request side: `tools` and `tool_choice` checked, what the
-//! chat template gets, and the grammar that makes `required` and named choices always parse.
+//! chat template gets, and the grammar that makes every call parse and follow its tool's schema.
 //!
 //! Policy: `tool_choice: "none"` offers no tools at all (the template does not see them and the answer
 //! is not parsed for calls), as if the request had none; `auto` (the default when tools are given)
-//! shows the tools and reads whatever calls the model writes; `required` and a named function also
-//! constrain the output to calls in the model's format whose arguments follow the tools' `parameters`
-//! schemas (one call unless `parallel_tool_calls` is true, the default).
+//! shows the tools and lets the model answer in free text, but once it writes the format's trigger
+//! (`<tool_call>`, `[TOOL_CALLS]`, a leading `{` for Llama 3) the rest must be calls; `required` and
+//! a named function constrain the whole output to calls. Calls are in the model's format, their
+//! arguments follow the tools' `parameters` schemas, one call unless `parallel_tool_calls` is true
+//! (the default).
 
 use serde_json::{json, Value};
 
@@ -13,7 +15,7 @@ use super::ApiError;
 use crate::{
     api::openai::{ChatCompletionRequest, Tool},
     grammar::GrammarSpec,
-    text::tool_calls::ToolCallFormat,
+    text::tool_calls::{Function, Markers, ToolCallFormat},
 };
 
 /// What the model must do with the tools.
@@ -122,31 +124,34 @@ impl OfferedTools {
         serde_json::to_value(&self.tools).expect("tools serialize")
     }
 
-    /// The grammar of calls (in `format`) of the tools the choice allows: what `required` and named
-    /// choices are held to. Compiling it also checks every tool's `parameters` schema.
-    pub fn grammar(&self, format: ToolCallFormat) -> GrammarSpec {
-        let calls: Vec<Value> = self
-            .tools
+    /// The tools as the functions the answer may call (what its tool-call parser reads).
+    pub fn functions(&self) -> Vec<Function> {
+        self.tools
             .iter()
-            .filter(|tool| match &self.choice {
-                ToolChoice::Named(name) => tool.function.name == *name,
-                _ => true,
+            .map(|tool| Function {
+                name: tool.function.name.clone(),
+                parameters: tool.function.parameters.clone().unwrap_or(json!({"type": "object"})),
             })
-            .map(|tool| {
-                let parameters = tool.function.parameters.clone().unwrap_or(json!({"type": "object"}));
-                json!({
-                    "type": "object",
-                    "properties": {"name": {"const": tool.function.name}, format.arguments_key(): parameters},
-                    "required": ["name", format.arguments_key()],
-                    "additionalProperties": false,
-                })
-            })
-            .collect();
-        let call = format!("%json {}", json!({"anyOf": calls}));
-        GrammarSpec::Lark(format.lark(&call, self.is_parallel))
+            .collect()
     }
 
-    /// Whether the output must be calls (the grammar applies).
+    /// The grammar of the answer: calls (in `format`) of the tools the choice allows, after free text
+    /// under `auto`, the format's markers written as `markers` says. Compiling it also checks every
+    /// tool's `parameters` schema.
+    pub fn grammar(&self, format: ToolCallFormat, markers: &Markers) -> GrammarSpec {
+        let functions: Vec<Function> = self
+            .functions()
+            .into_iter()
+            .filter(|function| match &self.choice {
+                ToolChoice::Named(name) => function.name == *name,
+                _ => true,
+            })
+            .collect();
+        let is_triggered = self.choice == ToolChoice::Auto;
+        GrammarSpec::Lark(format.lark(&functions, self.is_parallel, is_triggered, markers))
+    }
+
+    /// Whether the output must be calls (not free text first).
     pub fn is_enforced(&self) -> bool {
         self.choice != ToolChoice::Auto
     }
@@ -155,6 +160,7 @@ impl OfferedTools {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::tool_calls;
 
     fn request(body: Value) -> ChatCompletionRequest {
         let mut body = body;
@@ -183,22 +189,49 @@ mod tests {
         assert!(!named.is_parallel);
     }
 
+    fn two_tools() -> Value {
+        json!([weather()[0], {"type": "function", "function": {"name": "time", "parameters": {"type":
+            "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": false}}}])
+    }
+
+    /// `text` read by `format`'s parser: content and calls whose arguments fit the two tools' schemas.
+    fn checked_calls(format: ToolCallFormat, offered: &OfferedTools, text: &str) -> tool_calls::Parsed {
+        let mut parser = format.parser(&offered.functions());
+        let mut parsed = parser.push(text);
+        parsed.append(parser.finish());
+        for call in &parsed.calls {
+            let arguments: Value = serde_json::from_str(&call.arguments).expect("JSON");
+            match call.name.as_str() {
+                "time" => assert!(
+                    ["utc", "cet"].contains(&arguments["zone"].as_str().unwrap_or("")),
+                    "{text}"
+                ),
+                "weather" => assert!(arguments["city"].is_string(), "{text}"),
+                other => panic!("called {other} in {text:?}"),
+            }
+        }
+        parsed
+    }
+
+    fn formats() -> &'static [ToolCallFormat] {
+        <ToolCallFormat as clap::ValueEnum>::value_variants()
+    }
+
     /// Random walks through each format's grammar for a named and a required choice parse back, with
     /// its parser, into calls of the allowed tools whose arguments fit their schemas.
     #[tokio::test]
     async fn enforced_choices_always_parse() {
-        let tools = json!([weather()[0], {"type": "function", "function": {"name": "time", "parameters": {"type":
-            "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": false}}}]);
-        for format in [ToolCallFormat::Hermes, ToolCallFormat::Llama3, ToolCallFormat::Mistral] {
+        for &format in formats() {
             for (choice, parallel) in [
                 (json!({"type": "function", "function": {"name": "time"}}), false),
                 (json!("required"), true),
             ] {
-                let offered = OfferedTools::from_request(&request(json!({"tools": tools, "tool_choice": choice,
+                let offered = OfferedTools::from_request(&request(json!({"tools": two_tools(), "tool_choice": choice,
                     "parallel_tool_calls": parallel})))
                 .expect("valid")
                 .expect("tools");
-                let grammar = crate::grammar::tests::compile(offered.grammar(format)).await;
+                let grammar =
+                    crate::grammar::tests::compile(offered.grammar(format, &crate::grammar::tests::markers())).await;
                 let mut num_finished = 0;
                 for seed in 0..60 {
                     let (text, finished) = crate::grammar::tests::random_walk(&grammar, seed, 400);
@@ -206,29 +239,108 @@ mod tests {
                         continue;
                     }
                     num_finished += 1;
-                    let mut parser = format.parser();
-                    let mut parsed = parser.push(&text);
-                    parsed.append(parser.finish());
+                    let parsed = checked_calls(format, &offered, &text);
                     assert!(
                         parsed.content.is_empty() && !parsed.calls.is_empty(),
                         "{format:?} {text:?}: {parsed:?}"
                     );
                     assert!(parallel || parsed.calls.len() == 1, "{text:?}");
-                    for call in &parsed.calls {
-                        let arguments: Value = serde_json::from_str(&call.arguments).expect("JSON");
-                        match call.name.as_str() {
-                            "time" => assert!(
-                                ["utc", "cet"].contains(&arguments["zone"].as_str().unwrap_or("")),
-                                "{text}"
-                            ),
-                            "weather" => assert!(parallel && arguments["city"].is_string(), "{text}"),
-                            other => panic!("called {other} in {text:?}"),
-                        }
-                    }
+                    assert!(parallel || parsed.calls[0].name == "time", "{text:?}");
                 }
                 assert!(num_finished >= 5, "{format:?}: only {num_finished} walks finished");
             }
         }
+    }
+
+    /// Under `auto`, free text may end the answer; once the trigger is written, random walks go on
+    /// only into valid calls, and a call that breaks its schema is refused.
+    #[tokio::test]
+    async fn auto_is_free_text_then_valid_calls() {
+        use crate::grammar::tests::{accepts, allows_eos, random_walk_after};
+        let offered = OfferedTools::from_request(&request(json!({"tools": two_tools()})))
+            .expect("valid")
+            .expect("tools");
+        for &format in formats() {
+            let grammar =
+                crate::grammar::tests::compile(offered.grammar(format, &crate::grammar::tests::markers())).await;
+            let mut matcher = grammar.matcher();
+            assert!(accepts(&mut matcher, "No call: a < b, [TOOL] {x}.\n"), "{format:?}");
+            assert!(allows_eos(&mut matcher), "{format:?}");
+            let (text, prefix) = match format.trigger() {
+                "" => ("", "{".to_owned()),
+                trigger => ("Sure. ", format!("Sure. {trigger}")),
+            };
+            let mut num_finished = 0;
+            for seed in 0..40 {
+                let (walk, finished) = random_walk_after(&grammar, &prefix, seed, 400);
+                if !finished {
+                    continue;
+                }
+                num_finished += 1;
+                let parsed = checked_calls(format, &offered, &walk);
+                assert!(
+                    parsed.content == text && !parsed.calls.is_empty(),
+                    "{format:?} {walk:?}: {parsed:?}"
+                );
+            }
+            assert!(num_finished >= 5, "{format:?}: only {num_finished} walks finished");
+            // A call of a tool not offered, or arguments off the schema, are refused after the trigger.
+            let bad = match format {
+                ToolCallFormat::Hermes => "<tool_call>\n{\"name\": \"time\", \"arguments\": {\"zone\": \"pst",
+                ToolCallFormat::Llama3 => "{\"name\": \"nope",
+                ToolCallFormat::Mistral => "[TOOL_CALLS][{\"name\": \"time\", \"arguments\": {\"city",
+                ToolCallFormat::MistralArgs => "[TOOL_CALLS]nope",
+                ToolCallFormat::Qwen3Coder => "<tool_call>\n<function=time>\n<parameter=zone>\npst",
+            };
+            let mut matcher = grammar.matcher();
+            assert!(
+                !accepts(&mut matcher, &format!("{text}{bad}")),
+                "{format:?} accepted {bad:?}"
+            );
+        }
+    }
+
+    /// For a reasoning model the triggered grammar starts after the thinking: the thinking is free
+    /// text (calls may be discussed in it), a trigger in the answer starts calls that must be valid.
+    #[tokio::test]
+    async fn auto_holds_after_the_thinking() {
+        use crate::grammar::tests::{accepts, allows_eos};
+        let offered = OfferedTools::from_request(&request(json!({"tools": two_tools()})))
+            .expect("valid")
+            .expect("tools");
+        let spec = GrammarSpec::AfterReasoning {
+            is_open: true,
+            answer: Box::new(offered.grammar(ToolCallFormat::Hermes, &crate::grammar::tests::markers())),
+        };
+        let grammar = crate::grammar::tests::compile(spec).await;
+        let mut matcher = grammar.matcher();
+        assert!(accepts(
+            &mut matcher,
+            "call get_weather? {x}</think>\nSure. <tool_call>\n"
+        ));
+        assert!(!accepts(&mut matcher, "x"));
+        let mut matcher = grammar.matcher();
+        assert!(accepts(&mut matcher, "hmm</think>\nNo call needed."));
+        assert!(allows_eos(&mut matcher));
+    }
+
+    /// Where the trigger is a special token (as Qwen's `<tool_call>` is), calls start at that token,
+    /// and the trigger spelled in plain characters is refused (the parser would read it as a call).
+    #[tokio::test]
+    async fn a_special_token_trigger_is_the_token() {
+        use crate::grammar::tests::accepts;
+        let offered = OfferedTools::from_request(&request(json!({"tools": two_tools()})))
+            .expect("valid")
+            .expect("tools");
+        let spec = offered.grammar(ToolCallFormat::Hermes, &crate::grammar::tests::markers());
+        assert!(
+            matches!(&spec, GrammarSpec::Lark(lark) if lark.contains("<[97]>")),
+            "{spec:?}"
+        );
+        let grammar = crate::grammar::tests::compile(spec).await;
+        let mut matcher = grammar.matcher();
+        assert!(accepts(&mut matcher, "a <tool_call"));
+        assert!(!accepts(&mut matcher, ">"));
     }
 
     #[test]

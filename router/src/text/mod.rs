@@ -33,6 +33,18 @@ pub(crate) fn held_len(text: &str, marker: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// `text` as a regex that matches exactly it.
+pub(crate) fn escape_regex(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for ch in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(ch) {
+            escaped.push('\\');
+        }
+        escaped.push(ch);
+    }
+    escaped
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

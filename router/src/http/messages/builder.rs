@@ -249,7 +249,11 @@ mod tests {
     }
 
     fn builder() -> MessageBuilder {
-        let reader = AnswerReader::new(Some(ReasoningFormat::DeepseekR1), Some(ToolCallFormat::Hermes), "");
+        let reader = AnswerReader::new(
+            Some(ReasoningFormat::DeepseekR1),
+            Some((ToolCallFormat::Hermes, &[])),
+            "",
+        );
         MessageBuilder::new("msg_1".into(), "m".into(), reader, 20)
     }
 

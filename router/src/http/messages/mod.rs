@@ -91,8 +91,11 @@ pub async fn messages(
     let guided =
         format.map(|OutputFormat::JsonSchema { schema }| (GrammarSpec::JsonSchema(schema.clone()), "output_config"));
     let grammar = output_grammar(&state, guided, rendered.tools.as_ref(), &rendered.prompt).await?;
-    let tool_call_format = rendered.tools.as_ref().map(|_| state.tool_call_format);
-    let reader = AnswerReader::new(state.reasoning_format, tool_call_format, &rendered.prompt);
+    let functions = rendered.tools.as_ref().map(OfferedTools::functions);
+    let tool_calls = functions
+        .as_deref()
+        .map(|functions| (state.tool_call_format, functions));
+    let reader = AnswerReader::new(state.reasoning_format, tool_calls, &rendered.prompt);
     // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
     let prompt = Prompt::Text {
         text: rendered.prompt,

@@ -3,15 +3,24 @@
 //! have no tool support of their own (`chat_template`): [`system_prompt`], [`render_call`] and
 //! [`render_response`] write the tools, calls and results as Qwen2.5's template does.
 
-use super::{super::held_len, parse_call, Parsed};
+use super::{super::held_len, json_call_rule, CallStream, CallsGrammar, Function, Markers, Parsed};
 
 pub const START: &str = "<tool_call>";
 pub const END: &str = "</tool_call>";
 
 /// Grammar: one call block, or (`is_parallel`) several, separated by a newline.
-pub fn lark(call: &str, is_parallel: bool) -> String {
+pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Markers) -> CallsGrammar {
     let repeat = if is_parallel { " (\"\\n\" block)*" } else { "" };
-    format!("start: block{repeat}\nblock: \"{START}\\n\" call \"\\n{END}\"\ncall: {call}\n")
+    CallsGrammar {
+        after: format!("rest{repeat}"),
+        rules: format!(
+            "block: {} rest\nrest: \"\\n\" call \"\\n\" {}\ncall: {}\n",
+            markers.lark(START),
+            markers.lark(END),
+            json_call_rule(functions, "arguments")
+        ),
+        untriggered: None,
+    }
 }
 
 /// The system message's description of `tools` (a list of OpenAI tool objects) and of how to call them.
@@ -48,6 +57,7 @@ pub struct HermesParser {
     is_in_call: bool,
     /// A call was made: from then on, whitespace between blocks is not content.
     has_calls: bool,
+    calls: CallStream,
 }
 
 impl HermesParser {
@@ -57,14 +67,12 @@ impl HermesParser {
         loop {
             if self.is_in_call {
                 let Some(end) = self.pending.find(END) else {
+                    self.calls.progress_json(&self.pending[START.len()..], &mut parsed);
                     return parsed;
                 };
                 let block: String = self.pending.drain(..end + END.len()).collect();
-                match parse_call(block[START.len()..end].trim()) {
-                    Some(call) => {
-                        parsed.calls.push(call);
-                        self.has_calls = true;
-                    }
+                match self.calls.complete_json(block[START.len()..end].trim(), &mut parsed) {
+                    Some(()) => self.has_calls = true,
                     None => parsed.content.push_str(&block),
                 }
                 self.is_in_call = false;

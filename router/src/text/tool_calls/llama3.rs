@@ -3,14 +3,19 @@
 //! tokens are skipped), several calls separated by `;`. An answer that does not start with `{` (after
 //! the tag and whitespace) is plain content.
 
-use super::{json_object_len, parse_call, Parsed};
+use super::{json_call_rule, json_object_len, CallStream, CallsGrammar, Function, Parsed};
 
 pub const PYTHON_TAG: &str = "<|python_tag|>";
 
-/// Grammar: one call object, or (`is_parallel`) several separated by `; `.
-pub fn lark(call: &str, is_parallel: bool) -> String {
+/// Grammar: one call object, or (`is_parallel`) several separated by `; `; without a trigger, an
+/// answer is calls when it starts with `{`.
+pub(super) fn grammar(functions: &[Function], is_parallel: bool) -> CallsGrammar {
     let repeat = if is_parallel { " (\"; \" call)*" } else { "" };
-    format!("start: call{repeat}\ncall: {call}\n")
+    CallsGrammar {
+        after: format!("call{repeat}"),
+        rules: format!("call: {}\n", json_call_rule(functions, "parameters")),
+        untriggered: Some("[ \\t\\r\\n]*\\{(.|\\n)*"),
+    }
 }
 
 #[derive(Debug, Default)]
@@ -18,6 +23,7 @@ pub struct Llama3Parser {
     /// Text not let through yet.
     pending: String,
     state: State,
+    calls: CallStream,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -66,14 +72,14 @@ impl Llama3Parser {
                 return parsed;
             }
             let Some(len) = json_object_len(rest) else {
+                self.calls.progress_json(rest, &mut parsed);
                 return parsed;
             };
-            let Some(call) = parse_call(&rest[..len]) else {
+            if self.calls.complete_json(&rest[..len], &mut parsed).is_none() {
                 self.state = State::Content;
                 parsed.content = std::mem::take(&mut self.pending);
                 return parsed;
-            };
-            parsed.calls.push(call);
+            }
             self.pending = rest[len..].to_owned();
         }
     }

@@ -1,16 +1,21 @@
 //! Mistral tool calls: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]` is a
 //! special token, gone from the text when special tokens are skipped, so an answer that starts with
 //! `[{` counts as calls too. (The `[TOOL_CALLS]name[ARGS]{...}` form of newer Mistral tokenizers is
-//! not read.)
+//! `mistral_args`.)
 
-use super::{super::held_len, json_object_len, parse_call, Parsed};
+use super::{super::held_len, json_call_rule, json_object_len, CallStream, CallsGrammar, Function, Parsed};
 
 pub const START: &str = "[TOOL_CALLS]";
 
-/// Grammar: the marker, then a list of one call or (`is_parallel`) several.
-pub fn lark(call: &str, is_parallel: bool) -> String {
+/// Grammar: the marker, then a list of one call or (`is_parallel`) several; without the marker, an
+/// answer that starts as a list of objects reads as calls.
+pub(super) fn grammar(functions: &[Function], is_parallel: bool) -> CallsGrammar {
     let repeat = if is_parallel { " (\", \" call)*" } else { "" };
-    format!("start: \"{START}[\" call{repeat} \"]\"\ncall: {call}\n")
+    CallsGrammar {
+        after: format!("\"[\" call{repeat} \"]\""),
+        rules: format!("call: {}\n", json_call_rule(functions, "arguments")),
+        untriggered: Some("[ \\t\\r\\n]*\\[[ \\t\\r\\n]*\\{(.|\\n)*"),
+    }
 }
 
 #[derive(Debug, Default)]
@@ -21,6 +26,7 @@ pub struct MistralParser {
     has_content: bool,
     /// Inside the list of calls: `pending` holds its unread rest.
     is_in_calls: bool,
+    calls: CallStream,
 }
 
 impl MistralParser {
@@ -73,14 +79,16 @@ impl MistralParser {
                 }
                 return;
             }
-            let Some(len) = json_object_len(rest) else { return };
-            let Some(call) = parse_call(&rest[..len]) else {
+            let Some(len) = json_object_len(rest) else {
+                self.calls.progress_json(rest, parsed);
+                return;
+            };
+            if self.calls.complete_json(&rest[..len], parsed).is_none() {
                 parsed.content.push_str(&std::mem::take(&mut self.pending));
                 self.is_in_calls = false;
                 self.has_content = true;
                 return;
-            };
-            parsed.calls.push(call);
+            }
             self.pending = rest[len..].to_owned();
         }
     }
