@@ -3,7 +3,8 @@
 A session's first turn pins its prompt and output; competing requests with other prompts churn every unpinned
 block of a small KV pool; the session's next turn (its previous prompt, output and more) still hits every
 block of the previous turn's prompt, while the same conversation without the key misses — through raw
-`/v1/completions` and through the official `openai` SDK's chat client. Under memory
+`/v1/completions`, through the official `openai` SDK's chat client (`prompt_cache_key`) and Responses client
+(a stored response pins its conversation), and through the `anthropic` SDK (`cache_control`). Under memory
 pressure the pins are released instead of preempting anything, and an expired pin leaves the pool whole. A
 tiny random Llama with the default model's tokenizer keeps it cheap on the CPU.
 """
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import requests
@@ -162,6 +164,79 @@ def test_an_openai_sdk_chat_session_keeps_its_cache_between_turns(pinned: Server
             assert details.cached_tokens >= (num_prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
         else:
             assert details.cached_tokens == 0, "the unpinned conversation was churned away"
+    check_pool_whole(pinned)
+
+
+def test_a_stored_response_chain_keeps_its_cache_between_turns(pinned: Server) -> None:
+    client = openai.OpenAI(base_url=f"{pinned.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def turn(text: str, store: bool, instructions: str, previous: str | None = None):
+        # Instructions are not carried over by `previous_response_id`: an agent sends them every turn.
+        return client.responses.create(
+            model=model, input=text, instructions=instructions, previous_response_id=previous,
+            store=store, max_output_tokens=16, temperature=0,
+        )  # fmt: skip
+
+    # A stored response pins its conversation under the chain's first id; `store: false` pins nothing.
+    first = turn("Build the project and report the first error.", True, "You are a CI agent.")
+    control = turn("Lint the project and report the first warning.", False, "You are a lint bot.")
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    churn(pinned, pins(pinned)["pinned_blocks"])
+    second = turn("Now fix it.", True, "You are a CI agent.", previous=first.id)
+    # Turn 2's prompt is turn 1's tokens and more: every full block of turn 1 but the last token's.
+    history = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= (history - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+    third = turn("And run the tests.", True, "You are a CI agent.", previous=second.id)
+    history = second.usage.input_tokens + second.usage.output_tokens
+    assert third.usage.input_tokens_details.cached_tokens >= (history - 1) // BLOCK_SIZE * BLOCK_SIZE
+    again = client.responses.create(
+        model=model, instructions="You are a lint bot.", store=False, max_output_tokens=8, temperature=0,
+        input=[
+            {"role": "user", "content": "Lint the project and report the first warning."},
+            {"role": "assistant", "content": control.output_text},
+            {"role": "user", "content": "Now fix it."},
+        ],
+    )  # fmt: skip
+    assert again.usage.input_tokens_details.cached_tokens == 0, "the unstored conversation was churned away"
+    check_pool_whole(pinned)
+
+
+def test_an_anthropic_cache_control_conversation_keeps_its_cache(pinned: Server) -> None:
+    client = anthropic.Anthropic(base_url=pinned.url, api_key="unused", max_retries=0)
+    model = openai.OpenAI(base_url=f"{pinned.url}/v1", api_key="unused").models.list().data[0].id
+
+    def ask(system: str, messages: list[dict], cache: bool) -> anthropic.types.Message:
+        block: dict = {"type": "text", "text": system}
+        if cache:
+            block["cache_control"] = {"type": "ephemeral"}
+        return client.messages.create(
+            model=model, max_tokens=16, system=[block], messages=messages, extra_body={"temperature": 0}
+        )
+
+    conversations = {
+        True: ("You are a release agent.", "Tag the release and write its notes."),
+        False: ("You are a triage bot.", "Label the newest issue and assign it."),
+    }
+    first = {cache: ask(system, [{"role": "user", "content": task}], cache)
+             for cache, (system, task) in conversations.items()}  # fmt: skip
+    churn(pinned, pins(pinned)["pinned_blocks"])
+    for cache, (system, task) in conversations.items():
+        reply = "".join(block.text for block in first[cache].content if block.type == "text")
+        messages = [
+            {"role": "user", "content": task},
+            {"role": "assistant", "content": reply or "Done."},
+            {"role": "user", "content": "Next step."},
+        ]
+        usage = ask(system, messages, cache).usage
+        if cache:
+            prompt = first[cache].usage.input_tokens + first[cache].usage.cache_read_input_tokens
+            # The template renders turn 1's prompt again as the start of turn 2's.
+            assert usage.cache_read_input_tokens >= (prompt - 1) // BLOCK_SIZE * BLOCK_SIZE > 0
+        else:
+            assert usage.cache_read_input_tokens == 0, (
+                "the conversation without cache_control was churned away"
+            )
     check_pool_whole(pinned)
 
 

@@ -56,7 +56,7 @@ use crate::{
         FinishReason, ResponsesStoreInfo,
     },
     engine::{EndEvent, EngineError, EventReceiver, TokenEvent},
-    validation::GenerateInput,
+    validation::{CachePin, GenerateInput},
 };
 
 /// What the store keeps of a response.
@@ -301,8 +301,19 @@ pub async fn create(
         // Keep the newest tokens that fit.
         input.truncate = Some(state.limits.max_input_tokens);
     }
-    // PIN HOOK (#35, item 4): hand `request.prompt_cache_key` to the engine here (on `input`), so this
-    // conversation's prefix stays pinned for its TTL while the client runs its tools.
+    // A stored response's prefix stays pinned (`--cache-pin-ttl`) for the next turn, under the
+    // client's `prompt_cache_key` or else the conversation's first response.
+    let head = response_head(&state, &request, tools);
+    let session = match &previous {
+        Some(previous) => previous.session.clone(),
+        None => head.id.clone(),
+    };
+    let pin_key = match &request.prompt_cache_key {
+        Some(key) => Some(CachePin::new("prompt_cache_key", key.clone())),
+        None if head.store => Some(CachePin::new("previous_response_id", session.clone())),
+        None => None,
+    };
+    input.cache_pin = pin_key;
     let permit = acquire(&state, 1)?;
     let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let events = receivers.pop().expect("one receiver per choice");
@@ -315,13 +326,14 @@ pub async fn create(
         &prompt_text,
     );
     let turn = Turn {
-        head: response_head(&state, &request, tools),
+        head,
         builder: OutputBuilder::new(reader),
         history: TokenHistory {
             instructions: request.instructions.clone(),
             variables,
             messages: history_messages,
             token_ids: valid.prompt_ids,
+            session,
         },
         input_items: turn.items,
     };

@@ -12,7 +12,10 @@ mod convert;
 #[cfg(test)]
 mod tests;
 
-use std::convert::Infallible;
+use std::{
+    convert::Infallible,
+    hash::{Hash, Hasher},
+};
 
 use axum::{
     extract::{rejection::JsonRejection, State},
@@ -24,7 +27,10 @@ use axum::{
 };
 use tokio::sync::OwnedSemaphorePermit;
 
-use self::{builder::MessageBuilder, convert::convert};
+use self::{
+    builder::MessageBuilder,
+    convert::{convert, Conversation},
+};
 use super::{
     acquire,
     chat::{output_grammar, AnswerReader},
@@ -36,17 +42,33 @@ use super::{
     ApiError, AppState, RequestTag,
 };
 use crate::{
-    api::anthropic::{CacheTtl, Message, MessagesRequest, OutputFormat, StreamEvent, ThinkingConfig, TokenCount},
+    api::anthropic::{Message, MessagesRequest, OutputFormat, StreamEvent, ThinkingConfig, TokenCount},
     engine::{EngineError, EventReceiver},
     grammar::GrammarSpec,
-    validation::{GenerateInput, Prompt},
+    validation::{CachePin, GenerateInput, Prompt},
 };
 
 /// A request's prompt, rendered with the chat template, and its tools.
 struct Rendered {
     prompt: String,
     tools: Option<OfferedTools>,
-    cache_ttl: Option<CacheTtl>,
+    /// With `cache_control`: the pin that keeps this conversation's prefix for its next turn.
+    cache_pin: Option<CachePin>,
+}
+
+/// The pin a request with `cache_control` asks for: its breakpoints' longest TTL, keyed by what starts
+/// the conversation (the tools and the messages up to the first user turn), which every later turn of
+/// it repeats, so each turn's pin replaces the last. Anthropic has no session id to key by.
+fn cache_pin(conversation: &Conversation) -> Option<CachePin> {
+    let ttl = conversation.cache_ttl?;
+    let first_user = conversation.messages.iter().position(|m| m.role == "user");
+    let opening = &conversation.messages[..first_user.map_or(0, |i| i + 1)];
+    let mut hasher = std::hash::DefaultHasher::new();
+    serde_json::to_string(opening).unwrap_or_default().hash(&mut hasher);
+    let tools = conversation.tools.as_ref().map(OfferedTools::template_value);
+    tools.unwrap_or_default().to_string().hash(&mut hasher);
+    let key = format!("anthropic-{:016x}", hasher.finish());
+    Some(CachePin::new("cache_control", key).with_ttl(ttl.duration()))
 }
 
 fn render(state: &AppState, tag: &RequestTag, request: &MessagesRequest) -> Result<Rendered, ApiError> {
@@ -65,8 +87,8 @@ fn render(state: &AppState, tag: &RequestTag, request: &MessagesRequest) -> Resu
     }
     Ok(Rendered {
         prompt: state.render_chat(&conversation.messages, true, &variables)?,
+        cache_pin: cache_pin(&conversation),
         tools: conversation.tools,
-        cache_ttl: conversation.cache_ttl,
     })
 }
 
@@ -84,9 +106,6 @@ pub async fn messages(
         .max_tokens
         .ok_or_else(|| ApiError::BadRequest("`max_tokens` is required".into()))?;
     let rendered = render(&state, &tag, &request)?;
-    // Prompt cache pins (#35 item 4) take the request's `cache_control` from here: the rendered
-    // prompt is the prefix to keep, `rendered.cache_ttl` (its breakpoints' longest TTL) how long.
-    tracing::debug!(request_id = %tag.id, cache_ttl = ?rendered.cache_ttl, "cache_control");
     let format = request.output_config.as_ref().and_then(|config| config.format.as_ref());
     let guided =
         format.map(|OutputFormat::JsonSchema { schema }| (GrammarSpec::JsonSchema(schema.clone()), "output_config"));
@@ -109,6 +128,7 @@ pub async fn messages(
     input.top_p = request.top_p;
     input.top_k = request.top_k;
     input.stop = request.stop_sequences.clone().unwrap_or_default();
+    input.cache_pin = rendered.cache_pin;
     input.grammar = grammar;
     let permit = acquire(&state, 1)?;
     let (valid, receivers) = submit(&state, &tag, input, 1).await?;

@@ -198,3 +198,26 @@ async fn output_config_and_a_forced_tool_call_do_not_mix() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
     assert!(text.contains("`output_config`"), "{text}");
 }
+
+/// Every turn of one conversation with `cache_control` pins under one key (so each turn's pin replaces
+/// the last), another conversation under another, and none without `cache_control`.
+#[test]
+fn cache_control_pins_a_conversation_under_one_key() {
+    use super::{cache_pin, convert::convert};
+    let pin_of = |fields: Value| {
+        let request = serde_json::from_value(body(fields)).expect("a valid request");
+        cache_pin(&convert(&request).expect("converts"))
+    };
+    let system = json!([{"type": "text", "text": "Be an agent.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]);
+    let first = pin_of(json!({"system": system})).expect("cache_control asks for a pin");
+    assert_eq!(first.ttl, Some(std::time::Duration::from_secs(3600)));
+    let later_turn = json!({"system": system, "messages": [
+        {"role": "user", "content": "w3"},
+        {"role": "assistant", "content": "w4 w5"},
+        {"role": "user", "content": "w6"},
+    ]});
+    assert_eq!(pin_of(later_turn).expect("a pin").key, first.key);
+    let other = json!({"system": system, "messages": [{"role": "user", "content": "w7"}]});
+    assert_ne!(pin_of(other).expect("a pin").key, first.key);
+    assert_eq!(pin_of(json!({"system": "Be an agent."})), None);
+}

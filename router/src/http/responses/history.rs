@@ -25,6 +25,9 @@ pub(super) struct TokenHistory {
     pub messages: Vec<ChatMessage>,
     /// The prompt's token ids, then the generated ones.
     pub token_ids: Vec<u32>,
+    /// The id of the conversation's first response: every turn of a `previous_response_id` chain pins
+    /// its prefix under it, so each turn's pin replaces the last.
+    pub session: String,
 }
 
 /// Marks where the answer goes when the template renders a turn, to find what closes an assistant turn.
