@@ -1,7 +1,7 @@
 """End to end: Anthropic's Messages API with the official `anthropic` SDK against the default 135M model.
 Greedy answers streamed and not agree, and the raw stream is exactly Anthropic's event sequence;
 `stop_sequences` end the answer at the matched string; `tool_choice` `any` and `tool` always give `tool_use`
-blocks whose `input` validates against the tool's `input_schema` (`jsonschema`), streamed as
+blocks whose `input` validates against the tool's `input_schema` (`jsonschema`), streamed as written in several
 `input_json_delta`s that reassemble into the same input; a full round trip through a tool; count_tokens
 equals the usage's prompt tokens; a repeated prompt is read from the prefix cache; bad requests are
 `BadRequestError`s naming the problem. A second server (`--reasoning-parser deepseek_r1`, `--api-key`)
@@ -151,14 +151,23 @@ def test_streamed_input_json_deltas_reassemble(client: anthropic.Anthropic, serv
     whole = client.messages.create(**fields)
     uses = check_tool_uses(whole, {"get_weather", "get_time"})
     events = raw_events(server.url, fields)
-    partial: dict[int, str] = {}
-    for name, data in events:
+    pieces: dict[int, list[str]] = {}
+    for i, (name, data) in enumerate(events):
         if name == "content_block_start" and data["content_block"]["type"] == "tool_use":
             assert data["content_block"]["input"] == {}, data
-            partial[data["index"]] = ""
-        elif name == "content_block_delta" and data["delta"]["type"] == "input_json_delta":
-            partial[data["index"]] += data["delta"]["partial_json"]
-    streamed = [json.loads(partial[index]) for index in sorted(partial)]
+            # The block is open while its arguments are written: pieces of them, then its end.
+            index = data["index"]
+            following = [event for event in events[i + 1 :] if event[1].get("index") == index]
+            num_pieces = next(j for j, (name, _) in enumerate(following) if name != "content_block_delta")
+            assert following[num_pieces] == (
+                "content_block_stop",
+                {"type": "content_block_stop", "index": index},
+            )
+            assert all(data["delta"]["type"] == "input_json_delta" for _, data in following[:num_pieces])
+            pieces[index] = [data["delta"]["partial_json"] for _, data in following[:num_pieces]]
+    # The arguments arrive as the model writes them, in more than one piece each.
+    assert all(len(streamed) > 1 for streamed in pieces.values()), pieces
+    streamed = [json.loads("".join(pieces[index])) for index in sorted(pieces)]
     assert streamed == [use.input for use in uses]
     with client.messages.stream(**fields) as stream:
         final = stream.get_final_message()

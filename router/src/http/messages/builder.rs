@@ -32,6 +32,8 @@ pub(super) struct MessageBuilder {
     held: Option<(TextKind, String)>,
     /// Whether the stream's one `ping` was sent (after the first `content_block_start`, as Anthropic's API).
     has_pinged: bool,
+    /// The index among the answer's calls of the call whose `tool_use` block is open.
+    open_call: Option<u32>,
 }
 
 impl MessageBuilder {
@@ -55,6 +57,7 @@ impl MessageBuilder {
             is_open: false,
             held: None,
             has_pinged: false,
+            open_call: None,
         }
     }
 
@@ -80,10 +83,22 @@ impl MessageBuilder {
         let piece = self.reader.push(text, end.is_some());
         let mut events = Vec::new();
         self.push_text(TextKind::Thinking, &piece.reasoning, &mut events);
-        self.push_text(TextKind::Text, &piece.content, &mut events);
-        for call in piece.calls {
-            self.push_call(call, &mut events);
+        // A piece's text precedes the calls it starts but follows the end of the call already open
+        // (the text after a call, or a cut-off call given back as text).
+        let mut open = piece.deltas;
+        let num_open = open
+            .iter()
+            .take_while(|d| d.name.is_none() && Some(d.index) == self.open_call)
+            .count();
+        let new = open.split_off(num_open);
+        let mut calls = piece.calls.into_iter();
+        self.push_deltas(open, &mut calls, &mut events);
+        if self.open_call.is_some() {
+            self.complete_call(&mut calls, &mut events);
         }
+        self.push_text(TextKind::Text, &piece.content, &mut events);
+        self.push_deltas(new, &mut calls, &mut events);
+        self.complete_call(&mut calls, &mut events);
         if let Some(end) = end {
             self.finish(end, &mut events);
         }
@@ -136,29 +151,54 @@ impl MessageBuilder {
         events.push(StreamEvent::ContentBlockDelta { index, delta });
     }
 
-    fn push_call(&mut self, call: tool_calls::ToolCall, events: &mut Vec<StreamEvent>) {
-        self.held = None;
-        self.close(events);
-        let id = format!("toolu_{}", uuid_like());
-        let opening = ContentBlock::ToolUse {
-            id: id.clone(),
-            name: call.name.clone(),
-            input: Value::Object(serde_json::Map::new()),
+    /// Streams pieces of calls: a call's first opens its `tool_use` block (with an empty input, as
+    /// Anthropic's API), each piece of arguments is an `input_json_delta`.
+    /// `calls`: the calls the piece completes, in order (the first is the open call, if any).
+    fn push_deltas(
+        &mut self,
+        deltas: Vec<tool_calls::CallDelta>,
+        calls: &mut impl Iterator<Item = tool_calls::ToolCall>,
+        events: &mut Vec<StreamEvent>,
+    ) {
+        for delta in deltas {
+            if let Some(name) = delta.name {
+                if self.open_call.is_some() {
+                    self.complete_call(calls, events);
+                }
+                self.held = None;
+                self.close(events);
+                let opening = ContentBlock::ToolUse {
+                    id: format!("toolu_{}", uuid_like()),
+                    name,
+                    input: Value::Object(serde_json::Map::new()),
+                };
+                self.open(opening, events);
+                self.open_call = Some(delta.index);
+            }
+            // (A call's pieces after its block closed, cut off by text, are not sent.)
+            if !delta.arguments.is_empty() && self.open_call == Some(delta.index) {
+                events.push(StreamEvent::ContentBlockDelta {
+                    index: self.message.content.len() as u32 - 1,
+                    delta: BlockDelta::InputJsonDelta {
+                        partial_json: delta.arguments,
+                    },
+                });
+            }
+        }
+    }
+
+    /// The open call completes if `calls` has a call (its deltas were streamed): its block gets the
+    /// whole input, and closes.
+    fn complete_call(&mut self, calls: &mut impl Iterator<Item = tool_calls::ToolCall>, events: &mut Vec<StreamEvent>) {
+        let Some(call) = calls.next() else {
+            return;
         };
-        let index = self.open(opening, events);
+        assert!(self.open_call.is_some(), "a completed call was streamed");
         // The parser gives back calls whose arguments are JSON (anything else stays text).
-        let input = serde_json::from_str(&call.arguments).unwrap_or(Value::String(call.arguments.clone()));
-        *self.message.content.last_mut().expect("just opened") = ContentBlock::ToolUse {
-            id,
-            name: call.name,
-            input,
-        };
-        events.push(StreamEvent::ContentBlockDelta {
-            index,
-            delta: BlockDelta::InputJsonDelta {
-                partial_json: call.arguments,
-            },
-        });
+        let whole = serde_json::from_str(&call.arguments).unwrap_or(Value::String(call.arguments));
+        if let Some(ContentBlock::ToolUse { input, .. }) = self.message.content.last_mut() {
+            *input = whole;
+        }
         self.close(events);
     }
 
@@ -184,6 +224,8 @@ impl MessageBuilder {
             return;
         }
         self.is_open = false;
+        // A call closed before it completed (cut off) keeps the empty input it opened with.
+        self.open_call = None;
         let index = self.message.content.len() as u32 - 1;
         if let Some(ContentBlock::Thinking { signature, .. }) = self.message.content.last() {
             events.push(StreamEvent::ContentBlockDelta {
@@ -257,8 +299,9 @@ mod tests {
         MessageBuilder::new("msg_1".into(), "m".into(), reader, 20)
     }
 
-    /// Thinking, text and a call, fed one character at a time, make exactly Anthropic's event sequence;
-    /// the whole message built from the same text agrees with what the events accumulate to.
+    /// Thinking, text and a call, fed one character at a time, make exactly Anthropic's event sequence
+    /// (the call's arguments streamed as they are written); the whole message built from the same text
+    /// agrees with what the events accumulate to.
     #[test]
     fn events_follow_anthropic_sequence_and_agree_with_the_message() {
         let text = "Let me see.</think>\n\nChecking.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n";
@@ -276,13 +319,9 @@ mod tests {
             deltas("Let me see.".len() + 1), // a character each, and the signature
             vec!["content_block_stop", "content_block_start"],
             deltas("Checking.\n".len()),
-            vec![
-                "content_block_stop",
-                "content_block_start",
-                "content_block_delta",
-                "content_block_stop",
-            ],
-            vec!["message_delta", "message_stop"],
+            vec!["content_block_stop", "content_block_start"],
+            deltas(r#"{"city":"Paris"}"#.len()), // the compact arguments, a character each
+            vec!["content_block_stop", "message_delta", "message_stop"],
         ]
         .concat();
         assert_eq!(names, expected);
@@ -299,17 +338,19 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let partial: String = events
+        let pieces: Vec<&str> = events
             .iter()
             .filter_map(|event| match event {
                 StreamEvent::ContentBlockDelta {
+                    index: 2,
                     delta: BlockDelta::InputJsonDelta { partial_json },
-                    ..
                 } => Some(partial_json.as_str()),
                 _ => None,
             })
             .collect();
-        assert_eq!(serde_json::from_str::<Value>(&partial).expect("JSON"), input);
+        let expected: Vec<String> = r#"{"city":"Paris"}"#.chars().map(String::from).collect();
+        assert_eq!(pieces, expected);
+        assert_eq!(serde_json::from_str::<Value>(&pieces.concat()).expect("JSON"), input);
         assert_eq!(message.stop_reason, Some(StopReason::ToolUse));
         let usage = MessageUsage {
             input_tokens: 4,
@@ -353,5 +394,42 @@ mod tests {
         let mut shaper = builder();
         shaper.push("a</think>b", Some(&end(FinishReason::EosToken, None)));
         assert_eq!(shaper.message.stop_reason, Some(StopReason::EndTurn));
+    }
+
+    /// A call cut off by `max_tokens`: its block, opened and streamed, closes with the empty input it
+    /// opened with; its text is given back as a text block (as chat gives it back as content).
+    #[test]
+    fn a_cut_off_call_closes_and_its_text_follows() {
+        let text = "<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Pa";
+        let reader = AnswerReader::new(None, Some((ToolCallFormat::Hermes, &[])), "");
+        let mut builder = MessageBuilder::new("msg_1".into(), "m".into(), reader, 20);
+        let mut events = Vec::new();
+        let chars: Vec<char> = text.chars().collect();
+        let stop = end(FinishReason::Length, None);
+        for (i, c) in chars.iter().enumerate() {
+            events.extend(builder.push(&c.to_string(), (i + 1 == chars.len()).then_some(&stop)));
+        }
+        let names: Vec<&str> = events.iter().map(StreamEvent::name).collect();
+        let expected = [
+            vec!["content_block_start", "ping"],
+            vec!["content_block_delta"; r#"{"city":"Pa"#.len()],
+            vec![
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+            ],
+            vec!["message_delta", "message_stop"],
+        ]
+        .concat();
+        assert_eq!(names, expected);
+        match &builder.message.content[..] {
+            [ContentBlock::ToolUse { name, input, .. }, ContentBlock::Text { text: given_back }] => {
+                assert_eq!((name.as_str(), input), ("weather", &json!({})));
+                assert_eq!(given_back, text);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(builder.message.stop_reason, Some(StopReason::MaxTokens));
     }
 }
