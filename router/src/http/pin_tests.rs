@@ -32,12 +32,12 @@ fn words(first: u32, last: u32) -> String {
     (first..=last).map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
 }
 
-/// Waits (up to a second) until the engine publishes `expected` (pins, pinned blocks), and checks it:
-/// a response may arrive just before the engine's stats of that step.
+/// Waits (up to 20 seconds, for a busy machine) until the engine publishes `expected` (pins, pinned
+/// blocks), and checks it: a response may arrive just before the engine's stats of that step.
 async fn check_pins(server: &super::tests::TestServer, expected: (i64, i64)) {
     let metrics = &server.state.engine.metrics;
     let published = || (metrics.kv_pins.get(), metrics.kv_pinned_blocks.get());
-    for _ in 0..200 {
+    for _ in 0..4000 {
         if published() == expected {
             break;
         }
