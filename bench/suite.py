@@ -9,6 +9,7 @@ against each (back to back, in one run), and prints the ratios that docs/benchma
     python -m bench.suite peers        # Rill vs llama.cpp's server, same model, workload and machine
     python -m bench.suite dtypes       # Rill in bfloat16 vs float32 on the peers workload, alternating rounds
     python -m bench.suite constrained  # step time with 0, 8, 32 grammar-constrained sequences of 32; compile
+    python -m bench.suite agents       # multi-turn agents under cache churn: chat vs pins vs Responses
 
 Every suite runs the default model on the CPU unless `--device`/`--model-id` say otherwise; `--json PATH`
 keeps every figure. The machine is shared and noisy: compare ratios measured in one run, not absolutes.
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import peers, roofline
+from bench import agents, peers, roofline
 from bench.harness import Server, bench, compare, metrics, ratio, rill
 
 
@@ -255,6 +256,7 @@ SUITES = {
     "peers": peers.run,
     "dtypes": suite_dtypes,
     "constrained": suite_constrained,
+    "agents": agents.run,
 }
 
 
@@ -278,6 +280,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="roofline, peers: the model's dtype (default: %(default)s)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="roofline: timed steps per point")
     parser.add_argument("--plot", type=Path, help="roofline: save the step-time plot here (PNG)")
+    parser.add_argument(
+        "--num-agents", type=int, default=4, help="agents: concurrent agents (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--num-turns", type=int, default=4, help="agents: turns per agent (default: %(default)s)"
+    )
+    parser.add_argument("--think-s", type=float, default=20.0,
+                        help="agents: seconds between turns (default: %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")

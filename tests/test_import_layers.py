@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bench.report",),
     ("bench.cli", "bench.__main__"),
     ("bench.harness",),  # starts Rill and runs the cli against it, for the suites
-    ("bench.peers",),
+    ("bench.peers", "bench.agents"),
     ("bench.suite",),
 ]
 

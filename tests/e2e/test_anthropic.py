@@ -1,10 +1,10 @@
 """End to end: Anthropic's Messages API with the official `anthropic` SDK against the default 135M model.
 Greedy answers streamed and not agree, and the raw stream is exactly Anthropic's event sequence;
 `stop_sequences` end the answer at the matched string; `tool_choice` `any` and `tool` always give `tool_use`
-blocks whose `input` validates against the tool's `input_schema` (`jsonschema`), streamed as written in several
-`input_json_delta`s that reassemble into the same input; a full round trip through a tool; count_tokens
-equals the usage's prompt tokens; a repeated prompt is read from the prefix cache; bad requests are
-`BadRequestError`s naming the problem. A second server (`--reasoning-parser deepseek_r1`, `--api-key`)
+blocks whose `input` validates against the tool's `input_schema` (`jsonschema`), streamed as written in
+several `input_json_delta`s that reassemble into the same input; a full round trip through a tool;
+count_tokens equals the usage's prompt tokens; a repeated prompt is read from the prefix cache; bad requests
+are `BadRequestError`s naming the problem. A second server (`--reasoning-parser deepseek_r1`, `--api-key`)
 puts the thinking into `thinking` blocks and takes the key in `x-api-key`."""
 
 from __future__ import annotations
