@@ -56,13 +56,13 @@ impl MistralArgsParser {
             if !self.is_in_call {
                 if let Some(start) = self.pending.find(START) {
                     let before: String = self.pending.drain(..start + START.len()).collect();
-                    self.emit(&mut parsed, &before[..start]);
+                    parsed.push_free_text(&before[..start], self.has_calls);
                     self.is_in_call = true;
                     continue;
                 }
                 let keep = held_len(&self.pending, START);
                 let free: String = self.pending.drain(..self.pending.len() - keep).collect();
-                self.emit(&mut parsed, &free);
+                parsed.push_free_text(&free, self.has_calls);
                 return parsed;
             }
             let name_len = self.pending.find(|ch| !is_name_char(ch)).unwrap_or(self.pending.len());
@@ -118,15 +118,9 @@ impl MistralArgsParser {
             self.not_a_call(&mut parsed);
         } else {
             let rest = std::mem::take(&mut self.pending);
-            self.emit(&mut parsed, &rest);
+            parsed.push_free_text(&rest, self.has_calls);
         }
         parsed
-    }
-
-    fn emit(&self, parsed: &mut Parsed, text: &str) {
-        if !(self.has_calls && text.trim().is_empty()) {
-            parsed.content.push_str(text);
-        }
     }
 }
 

@@ -228,6 +228,14 @@ impl Parsed {
         }
     }
 
+    /// Free text of an answer: content, unless it is blank and the answer has made calls (the
+    /// whitespace a template puts around calls is not an answer).
+    fn push_free_text(&mut self, text: &str, has_calls: bool) {
+        if !(has_calls && text.trim().is_empty()) {
+            self.content.push_str(text);
+        }
+    }
+
     /// Adds what a later push let through.
     pub fn append(&mut self, other: Parsed) {
         self.content.push_str(&other.content);

@@ -198,12 +198,12 @@ impl Qwen3CoderParser {
                 self.is_in_call = false;
             } else if let Some(start) = self.pending.find(START) {
                 let before: String = self.pending.drain(..start).collect();
-                self.emit(&mut parsed, &before);
+                parsed.push_free_text(&before, self.has_calls);
                 self.is_in_call = true;
             } else {
                 let keep = held_len(&self.pending, START);
                 let free: String = self.pending.drain(..self.pending.len() - keep).collect();
-                self.emit(&mut parsed, &free);
+                parsed.push_free_text(&free, self.has_calls);
                 return parsed;
             }
         }
@@ -215,15 +215,9 @@ impl Qwen3CoderParser {
         if self.is_in_call {
             parsed.content.push_str(&rest);
         } else {
-            self.emit(&mut parsed, &rest);
+            parsed.push_free_text(&rest, self.has_calls);
         }
         parsed
-    }
-
-    fn emit(&self, parsed: &mut Parsed, text: &str) {
-        if !(self.has_calls && text.trim().is_empty()) {
-            parsed.content.push_str(text);
-        }
     }
 }
 
