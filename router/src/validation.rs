@@ -149,6 +149,9 @@ pub struct GenerateInput {
     pub min_new_tokens: u32,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
+    /// Special tokens kept in the text even when the rest are skipped: the tool-call format's
+    /// markers, which its parser reads.
+    pub kept_special_tokens: Vec<u32>,
     /// Keep only the last `truncate` prompt tokens.
     pub truncate: Option<u32>,
     /// Lower runs first; 0 is the default.
@@ -188,6 +191,7 @@ impl GenerateInput {
             min_new_tokens: 0,
             ignore_eos: false,
             skip_special_tokens: true,
+            kept_special_tokens: Vec::new(),
             truncate: None,
             priority: 0,
             cache_salt: None,
@@ -234,6 +238,8 @@ pub struct ValidRequest {
     pub ignore_eos: bool,
     pub min_new_tokens: u32,
     pub skip_special_tokens: bool,
+    /// See [`GenerateInput::kept_special_tokens`].
+    pub kept_special_tokens: Vec<u32>,
     pub top_n_tokens: u32,
     /// Lower runs first.
     pub priority: i32,
@@ -330,12 +336,12 @@ impl Validator {
         Ok(valid)
     }
 
-    /// Compiles (or finds in the cache) the grammar `field` gave; errors name the field.
     /// The id of `text` as a special token of the grammar compiler's tokenizer, if it is one.
     pub fn special_token(&self, text: &str) -> Option<u32> {
         self.grammar.as_ref()?.special_token(text)
     }
 
+    /// Compiles (or finds in the cache) the grammar `field` gave; errors name the field.
     pub async fn compile_grammar(
         &self,
         spec: &GrammarSpec,
@@ -506,6 +512,7 @@ impl Validator {
             ignore_eos: input.ignore_eos,
             min_new_tokens: input.min_new_tokens,
             skip_special_tokens: input.skip_special_tokens,
+            kept_special_tokens: input.kept_special_tokens,
             top_n_tokens: input.top_n_tokens,
             priority: input.priority,
             cache_salt: input.cache_salt.as_deref().map_or(0, salt_namespace),

@@ -5,7 +5,8 @@ named tool always give calls whose arguments validate against the tool's schema 
 sampled requests; a full round trip (assistant `tool_calls`, then a `tool` message, then an answer), and
 streamed tool-call arguments that arrive in several pieces and reassemble into the non-streamed calls;
 `langchain-openai` completes a forced tool call; bad tools and pathological schemas are quick 400s naming the
-problem. A server with `--reasoning-parser deepseek_r1` puts the answer's thinking into
+problem. A model whose tokenizer has Mistral's markers as special tokens gets its calls read, through chat
+and the Anthropic API. A server with `--reasoning-parser deepseek_r1` puts the answer's thinking into
 `reasoning_content`, streamed and not alike."""
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def test_required_and_named_choices_always_call_valid_tools(client: openai.OpenA
             messages=MESSAGES,
             tools=TOOLS,
             tool_choice="required",
-            max_tokens=120,
+            max_tokens=300,
             seed=seed,
             temperature=1.0,
         ).choices[0]
@@ -296,3 +297,74 @@ def test_reasoning_goes_to_reasoning_content_streamed_or_not(reasoning_server: S
     constrained = client.chat.completions.create(**fields, response_format={"type": "json_object"}).choices[0]
     # The same tokens while the thinking lasts (only EOS is held back until the grammar is done).
     assert constrained.message.model_extra["reasoning_content"].startswith(reasoning)
+
+
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
+    "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
+    "{%- elif message.tool_calls %}{%- for call in message.tool_calls %}"
+    "[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ call.function.arguments }}{%- endfor %}</s>"
+    "{%- else %}{{ message.content }}</s>{%- endif %}{%- endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def mistral_server(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A tiny random model whose tokenizer has Mistral's `[TOOL_CALLS]` and `[ARGS]` as special tokens (two
+    of the default tokenizer's special tokens renamed) and whose template writes calls the v11 way."""
+    from .conftest import make_tiny_model
+
+    model_dir = make_tiny_model(default_model, tmp_path_factory.mktemp("mistral-tools"))
+    renamed = {"<reponame>": "[TOOL_CALLS]", "<file_sep>": "[ARGS]"}
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    for token in tokenizer["added_tokens"]:
+        if token["content"] in renamed:
+            assert token["special"], token
+            token["content"] = renamed[token["content"]]
+    vocab = tokenizer["model"]["vocab"]
+    for old, new in renamed.items():
+        vocab[new] = vocab.pop(old)
+    (model_dir / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    for token in config.get("added_tokens_decoder", {}).values():
+        token["content"] = renamed.get(token["content"], token["content"])
+    config["chat_template"] = MISTRAL_TEMPLATE
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    server = start_server(model_dir, tmp_path_factory.mktemp("mistral-server"))
+    yield server
+    stop_server(server)
+
+
+def test_calls_written_with_special_token_markers_are_read(mistral_server: Server) -> None:
+    """The markers are special tokens, which answers leave out by default (`skip_special_tokens`): they stay
+    in the text of a request with tools, so forced calls are read back as calls (streamed or not, through
+    the chat and the Anthropic APIs), and none of the markers' text reaches the content."""
+    import anthropic
+
+    assert "MistralArgs" in mistral_server.log_path.read_text(), "the template's format was not detected"
+    client = openai.OpenAI(base_url=f"{mistral_server.url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    fields = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200, seed=1,
+                  temperature=1.0)  # fmt: skip
+    whole = client.chat.completions.create(**fields).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    assert whole.message.content is None, whole.message
+    check_calls(whole.message.tool_calls, {"get_weather", "get_time"})
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        for choice in chunk.choices:
+            assert not choice.delta.content, chunk
+            for delta in choice.delta.tool_calls or []:
+                streamed[delta.index] = streamed.get(delta.index, "") + (delta.function.arguments or "")
+    assert list(streamed.values()) == [call.function.arguments for call in whole.message.tool_calls]
+    messages = anthropic.Anthropic(base_url=mistral_server.url, api_key="unused", max_retries=0)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    message = messages.messages.create(
+        model=model, max_tokens=200, messages=MESSAGES, tools=tools,
+        tool_choice={"type": "tool", "name": "get_time"},
+    )  # fmt: skip
+    assert message.stop_reason == "tool_use", message
+    assert [block.type for block in message.content] == ["tool_use"], message
+    jsonschema.validate(message.content[0].input, SCHEMAS["get_time"])

@@ -119,6 +119,7 @@ mod tests {
             ignore_eos: false,
             min_new_tokens: 0,
             skip_special_tokens: true,
+            kept_special_tokens: Vec::new(),
             top_n_tokens: 0,
             priority: 0,
             cache_salt: 0,

@@ -115,7 +115,11 @@ impl Sequence {
             queue_span: Some(queue_span),
             deadline,
             is_slow_reader: false,
-            detokenizer: IncrementalDetokenizer::new(&request.prompt_ids, request.skip_special_tokens),
+            detokenizer: IncrementalDetokenizer::new(
+                &request.prompt_ids,
+                request.skip_special_tokens,
+                request.kept_special_tokens.clone(),
+            ),
             stop: StopMatcher::new(request.stop_sequences.clone()),
             generated_text: String::new(),
             grammar: request.grammar.as_ref().map(|grammar| grammar.matcher()),

@@ -177,17 +177,24 @@ fn chat_logprobs(state: &AppState, tokens: &[TokenEvent]) -> ChatLogprobs {
     }
 }
 
-/// The output grammar: the tools' or the request's own, at most one; after the thinking when a
-/// reasoning parser is set and the answer to `prompt` may still think. Under `auto`, the tools'
-/// grammar (free text, then valid calls once the model starts one) gives way to a `response_format`.
-pub(super) async fn output_grammar(
+/// Sets what `input`'s output may be. Its grammar: the tools' or the request's own, at most one;
+/// after the thinking when a reasoning parser is set and the answer to `prompt` may still think.
+/// Under `auto`, the tools' grammar (free text, then valid calls once the model starts one) gives
+/// way to a `response_format`. With tools, the format's markers stay in the text for its parser to
+/// read, even where the tokenizer has them as special tokens.
+pub(super) async fn constrain_output(
     state: &AppState,
+    input: &mut GenerateInput,
     guided: Option<(GrammarSpec, &'static str)>,
     tools: Option<&OfferedTools>,
     prompt: &str,
-) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+) -> Result<(), ApiError> {
     let mut grammar = guided;
     if let Some(tools) = tools {
+        let tokenizer = state.validator.tokenizer();
+        input.kept_special_tokens = (state.tool_call_format.markers().iter())
+            .filter_map(|marker| tokenizer.token_to_id(marker))
+            .collect();
         let special_token = |marker: &str| state.validator.special_token(marker);
         let spec = tools.grammar(state.tool_call_format, &Markers(&special_token));
         match &grammar {
@@ -205,7 +212,7 @@ pub(super) async fn output_grammar(
     let reasoning = state
         .reasoning_format
         .map(|format| ReasoningParser::new(format, prompt));
-    Ok(match reasoning.and_then(|parser| parser.starts_in_reasoning()) {
+    input.grammar = match reasoning.and_then(|parser| parser.starts_in_reasoning()) {
         Some(is_open) => grammar.map(|(answer, field)| {
             let spec = GrammarSpec::AfterReasoning {
                 is_open,
@@ -214,7 +221,8 @@ pub(super) async fn output_grammar(
             (spec, field)
         }),
         None => grammar,
-    })
+    };
+    Ok(())
 }
 
 /// Chat completions, streaming or not, with the model's own chat template.
@@ -243,7 +251,6 @@ pub async fn chat_completions(
         &template_variables(&request, tools.as_ref()),
     )?;
     let guided = guided::from_openai(&request.guided)?;
-    let grammar = output_grammar(&state, guided, tools.as_ref(), &prompt).await?;
     let tool_calls = tools.as_ref().map(|tools| (state.tool_call_format, tools.functions()));
     let new_reader = {
         let (reasoning, prompt) = (state.reasoning_format, prompt.clone());
@@ -257,12 +264,13 @@ pub async fn chat_completions(
     // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
     let mut input = GenerateInput::new(
         Prompt::Text {
-            text: prompt,
+            text: prompt.clone(),
             add_special_tokens: false,
         },
         "messages",
         "max_completion_tokens",
     );
+    constrain_output(&state, &mut input, guided, tools.as_ref(), &prompt).await?;
     input.max_new_tokens = request.max_completion_tokens.or(request.max_tokens);
     if request.top_logprobs.is_some() && !request.logprobs {
         return Err(
@@ -272,7 +280,6 @@ pub async fn chat_completions(
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
     compat::check_inert(&request.inert)?;
-    input.grammar = grammar;
     let permit = acquire(&state, n)?;
     let (valid, receivers) = submit(&state, &tag, input, n).await?;
     let format = Chat {

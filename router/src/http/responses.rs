@@ -2,7 +2,7 @@
 //! /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, `GET /v1/responses/{id}/input_items`.
 //!
 //! A request is read into a chat conversation (`instructions` as the system message, then the items) and
-//! served by chat's machinery: the chat template with the tools, `output_grammar` for `required` and
+//! served by chat's machinery: the chat template with the tools, `constrain_output` for `required` and
 //! named tool choices and `text.format`, `AnswerReader` for the thinking and the calls
 //! (`output`). `input` reads the request.
 //!
@@ -35,7 +35,7 @@ use output::OutputBuilder;
 
 use super::{
     acquire,
-    chat::{output_grammar, template_variables, AnswerReader},
+    chat::{constrain_output, template_variables, AnswerReader},
     compat,
     error::OpenAiError,
     guided,
@@ -292,11 +292,10 @@ pub async fn create(
     )
     .await?;
     let guided = guided::from_openai(&chat.guided)?;
-    let grammar = output_grammar(&state, guided, offered.as_ref(), &prompt_text).await?;
     let mut input = GenerateInput::new(prompt, "input", "max_output_tokens");
+    constrain_output(&state, &mut input, guided, offered.as_ref(), &prompt_text).await?;
     input.max_new_tokens = request.max_output_tokens;
     apply_sampling(&mut input, &chat.sampling)?;
-    input.grammar = grammar;
     if request.truncation.as_deref() == Some("auto") {
         // Keep the newest tokens that fit.
         input.truncate = Some(state.limits.max_input_tokens);

@@ -324,6 +324,77 @@ mod tests {
         assert!(allows_eos(&mut matcher));
     }
 
+    /// A call's JSON is spaced as templates write it, `", "` and `": "` and no other blank, so a
+    /// sampled call cannot run on in whitespace. (Qwen3-Coder writes these string values as text.)
+    #[tokio::test]
+    async fn call_json_is_spaced_as_templates_write_it() {
+        use crate::grammar::tests::{accepts, allows_eos};
+        let offered = OfferedTools::from_request(&request(json!({"tools": two_tools(), "tool_choice": "required"})))
+            .expect("valid")
+            .expect("tools");
+        for &format in formats() {
+            let good = match format {
+                ToolCallFormat::Hermes => {
+                    "<tool_call>\n{\"name\": \"time\", \"arguments\": {\"zone\": \"utc\"}}\n</tool_call>"
+                }
+                ToolCallFormat::Llama3 => "{\"name\": \"time\", \"parameters\": {\"zone\": \"utc\"}}",
+                ToolCallFormat::Mistral => "[TOOL_CALLS][{\"name\": \"time\", \"arguments\": {\"zone\": \"utc\"}}]",
+                ToolCallFormat::MistralArgs => "[TOOL_CALLS]time[ARGS]{\"zone\": \"utc\"}",
+                ToolCallFormat::Qwen3Coder => continue,
+            };
+            let grammar =
+                crate::grammar::tests::compile(offered.grammar(format, &crate::grammar::tests::markers())).await;
+            let mut matcher = grammar.matcher();
+            assert!(
+                accepts(&mut matcher, good) && allows_eos(&mut matcher),
+                "{format:?}: {good:?}"
+            );
+            for bad in [
+                good.replacen("{\"", "{ \"", 1),
+                good.replacen("\": \"", "\":\"", 1),
+                good.replacen("\": \"", "\":  \"", 1),
+                good.replacen("\"}", "\"\n}", 1),
+            ] {
+                let mut matcher = grammar.matcher();
+                assert!(!accepts(&mut matcher, &bad), "{format:?} accepted {bad:?}");
+            }
+        }
+    }
+
+    /// A tool whose schema refers to its own definitions (`$defs`, as pydantic writes nested models)
+    /// gets a grammar in every format, and its calls parse back.
+    #[tokio::test]
+    async fn a_schema_with_references_is_served() {
+        let tools = json!([{"type": "function", "function": {"name": "book", "parameters": {
+            "type": "object", "$defs": {"Seat": {"type": "object", "properties": {"row": {"type": "integer"}},
+            "required": ["row"], "additionalProperties": false}},
+            "properties": {"seat": {"$ref": "#/$defs/Seat"}}, "required": ["seat"], "additionalProperties": false}}}]);
+        let offered = OfferedTools::from_request(&request(json!({"tools": tools, "tool_choice": "required"})))
+            .expect("valid")
+            .expect("tools");
+        for &format in formats() {
+            let grammar =
+                crate::grammar::tests::compile(offered.grammar(format, &crate::grammar::tests::markers())).await;
+            let mut num_finished = 0;
+            for seed in 0..20 {
+                let (text, finished) = crate::grammar::tests::random_walk(&grammar, seed, 400);
+                if !finished {
+                    continue;
+                }
+                num_finished += 1;
+                let mut parser = format.parser(&offered.functions());
+                let mut parsed = parser.push(&text);
+                parsed.append(parser.finish());
+                assert!(!parsed.calls.is_empty(), "{format:?} {text:?}");
+                for call in &parsed.calls {
+                    let arguments: Value = serde_json::from_str(&call.arguments).expect("JSON");
+                    assert!(arguments["seat"]["row"].is_number(), "{format:?} {text:?}");
+                }
+            }
+            assert!(num_finished >= 5, "{format:?}: only {num_finished} walks finished");
+        }
+    }
+
     /// Where the trigger is a special token (as Qwen's `<tool_call>` is), calls start at that token,
     /// and the trigger spelled in plain characters is refused (the parser would read it as a call).
     #[tokio::test]

@@ -58,18 +58,22 @@ pub struct IncrementalDetokenizer {
     read_offset: usize,
     /// Whether special tokens (EOS, chat markers, ...) are left out of the text.
     skip_special_tokens: bool,
+    /// Special tokens kept in the text all the same (a tool-call format's markers).
+    kept_special_tokens: Vec<u32>,
 }
 
 impl IncrementalDetokenizer {
     /// Starts detokenizing the continuation of `prompt_ids`. Only the last few prompt ids are
-    /// kept, as decoding context; none of the prompt's text is ever emitted.
-    pub fn new(prompt_ids: &[u32], skip_special_tokens: bool) -> Self {
+    /// kept, as decoding context; none of the prompt's text is ever emitted. With
+    /// `skip_special_tokens`, special tokens other than `kept_special_tokens` are left out.
+    pub fn new(prompt_ids: &[u32], skip_special_tokens: bool, kept_special_tokens: Vec<u32>) -> Self {
         let context = &prompt_ids[prompt_ids.len().saturating_sub(NUM_PROMPT_CONTEXT_TOKENS)..];
         Self {
             ids: context.to_vec(),
             prefix_offset: 0,
             read_offset: context.len(),
             skip_special_tokens,
+            kept_special_tokens,
         }
     }
 
@@ -111,9 +115,20 @@ impl IncrementalDetokenizer {
     }
 
     fn decode(&self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<String, DetokenizeError> {
-        tokenizer
-            .decode(ids, self.skip_special_tokens)
-            .map_err(DetokenizeError::Decode)
+        if !self.skip_special_tokens || self.kept_special_tokens.is_empty() {
+            return tokenizer
+                .decode(ids, self.skip_special_tokens)
+                .map_err(DetokenizeError::Decode);
+        }
+        let vocabulary = tokenizer.get_added_vocabulary();
+        let is_skipped = |id: u32| {
+            !self.kept_special_tokens.contains(&id)
+                && vocabulary
+                    .simple_id_to_token(id)
+                    .is_some_and(|token| vocabulary.is_special_token(&token))
+        };
+        let ids: Vec<u32> = ids.iter().copied().filter(|&id| !is_skipped(id)).collect();
+        tokenizer.decode(&ids, false).map_err(DetokenizeError::Decode)
     }
 }
 
@@ -126,6 +141,7 @@ mod tests {
     use tokenizers::AddedToken;
 
     const EOS: &str = "<|endoftext|>";
+    const TOOL_CALLS: &str = "[TOOL_CALLS]";
     const VIETNAMESE: &str = "Tiếng Việt rất đẹp";
     const CHINESE: &str = "你好，世界";
     const EMOJI: &str = "🦀 👍🏽 ok";
@@ -177,7 +193,7 @@ mod tests {
         let mut tokenizer = Tokenizer::new(bpe);
         tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
         tokenizer.with_decoder(Some(ByteLevel::default()));
-        tokenizer.add_special_tokens(&[AddedToken::from(EOS, true)]);
+        tokenizer.add_special_tokens(&[AddedToken::from(EOS, true), AddedToken::from(TOOL_CALLS, true)]);
         tokenizer
     }
 
@@ -187,7 +203,18 @@ mod tests {
 
     /// Streams `generated` after `prompt`; returns every piece, the flush last.
     fn stream(tokenizer: &Tokenizer, prompt: &[u32], generated: &[u32], skip_special_tokens: bool) -> Vec<String> {
-        let mut detokenizer = IncrementalDetokenizer::new(prompt, skip_special_tokens);
+        stream_keeping(tokenizer, prompt, generated, skip_special_tokens, &[])
+    }
+
+    /// [`stream`] keeping `kept` special tokens.
+    fn stream_keeping(
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        generated: &[u32],
+        skip_special_tokens: bool,
+        kept: &[u32],
+    ) -> Vec<String> {
+        let mut detokenizer = IncrementalDetokenizer::new(prompt, skip_special_tokens, kept.to_vec());
         let mut pieces: Vec<String> = generated
             .iter()
             .map(|&id| detokenizer.push(tokenizer, id).unwrap())
@@ -252,12 +279,34 @@ mod tests {
         assert!(kept.iter().any(|piece| piece == EOS));
     }
 
+    /// A tool-call marker that is a special token stays in text whose other special tokens are skipped.
+    #[test]
+    fn kept_special_tokens_stay_when_the_rest_are_skipped() {
+        let tokenizer = byte_level_tokenizer();
+        let (eos_id, marker_id) = (
+            tokenizer.token_to_id(EOS).unwrap(),
+            tokenizer.token_to_id(TOOL_CALLS).unwrap(),
+        );
+        let ids = [
+            encode(&tokenizer, CHINESE),
+            vec![marker_id, eos_id],
+            encode(&tokenizer, "🦀"),
+        ]
+        .concat();
+        assert_eq!(tokenizer.decode(&ids, true).unwrap(), format!("{CHINESE}🦀"));
+        let pieces = stream_keeping(&tokenizer, &[eos_id], &ids, true, &[marker_id]);
+        assert_eq!(pieces.concat(), format!("{CHINESE}{TOOL_CALLS}🦀"));
+        // Without skipping, everything is shown, kept or not.
+        let pieces = stream_keeping(&tokenizer, &[], &ids, false, &[marker_id]);
+        assert_eq!(pieces.concat(), format!("{CHINESE}{TOOL_CALLS}{EOS}🦀"));
+    }
+
     #[test]
     fn flush_releases_a_truly_invalid_tail() {
         let tokenizer = byte_level_tokenizer();
         // "ok" then only the first two bytes of "你": the model never finished the character.
         let ids = [encode(&tokenizer, "ok"), vec![tokenizer.token_to_id("ä½").unwrap()]].concat();
-        let mut detokenizer = IncrementalDetokenizer::new(&[], true);
+        let mut detokenizer = IncrementalDetokenizer::new(&[], true, Vec::new());
         assert_eq!(detokenizer.push(&tokenizer, ids[0]).unwrap(), "ok");
         assert_eq!(detokenizer.push(&tokenizer, ids[1]).unwrap(), "");
         let tail = detokenizer.flush(&tokenizer).unwrap();
@@ -315,7 +364,7 @@ mod tests {
     #[test]
     fn only_the_last_prompt_tokens_are_kept() {
         let prompt: Vec<u32> = (0..100).collect();
-        let detokenizer = IncrementalDetokenizer::new(&prompt, true);
+        let detokenizer = IncrementalDetokenizer::new(&prompt, true, Vec::new());
         assert_eq!(detokenizer.ids, &prompt[100 - NUM_PROMPT_CONTEXT_TOKENS..]);
         assert_eq!(detokenizer.read_offset, NUM_PROMPT_CONTEXT_TOKENS);
     }

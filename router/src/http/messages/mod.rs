@@ -33,7 +33,7 @@ use self::{
 };
 use super::{
     acquire,
-    chat::{output_grammar, AnswerReader},
+    chat::{constrain_output, AnswerReader},
     collect, compat,
     error::AnthropicError,
     openai::{check_model, uuid_like},
@@ -109,7 +109,6 @@ pub async fn messages(
     let format = request.output_config.as_ref().and_then(|config| config.format.as_ref());
     let guided =
         format.map(|OutputFormat::JsonSchema { schema }| (GrammarSpec::JsonSchema(schema.clone()), "output_config"));
-    let grammar = output_grammar(&state, guided, rendered.tools.as_ref(), &rendered.prompt).await?;
     let functions = rendered.tools.as_ref().map(OfferedTools::functions);
     let tool_calls = functions
         .as_deref()
@@ -117,10 +116,11 @@ pub async fn messages(
     let reader = AnswerReader::new(state.reasoning_format, tool_calls, &rendered.prompt);
     // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
     let prompt = Prompt::Text {
-        text: rendered.prompt,
+        text: rendered.prompt.clone(),
         add_special_tokens: false,
     };
     let mut input = GenerateInput::new(prompt, "messages", "max_tokens");
+    constrain_output(&state, &mut input, guided, rendered.tools.as_ref(), &rendered.prompt).await?;
     input.max_new_tokens = Some(max_tokens);
     // Anthropic samples at temperature 1 by default; 0 asks for greedy decoding.
     input.do_sample = true;
@@ -129,7 +129,6 @@ pub async fn messages(
     input.top_k = request.top_k;
     input.stop = request.stop_sequences.clone().unwrap_or_default();
     input.cache_pin = rendered.cache_pin;
-    input.grammar = grammar;
     let permit = acquire(&state, 1)?;
     let (valid, receivers) = submit(&state, &tag, input, 1).await?;
     let receiver = receivers.into_iter().next().expect("one choice was submitted");

@@ -1,6 +1,6 @@
 //! Mistral tool calls: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. `[TOOL_CALLS]` is a
-//! special token, gone from the text when special tokens are skipped, so an answer that starts with
-//! `[{` counts as calls too. (The `[TOOL_CALLS]name[ARGS]{...}` form of newer Mistral tokenizers is
+//! special token, kept in the text of answers to requests with tools but not of others (say a
+//! completion of a rendered prompt), so an answer that starts with `[{` counts as calls too. (The `[TOOL_CALLS]name[ARGS]{...}` form of newer Mistral tokenizers is
 //! `mistral_args`.)
 
 use super::{super::held_len, json_call_rule, json_object_len, CallStream, CallsGrammar, Function, Parsed};

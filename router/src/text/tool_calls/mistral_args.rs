@@ -1,12 +1,12 @@
 //! Mistral tool calls in the form of newer tokenizers (v11 on: Mistral Small 3.2, Magistral,
 //! Devstral): `[TOOL_CALLS]name[ARGS]{...}`, the marker repeated before each call. The markers are
-//! read from the text (a tokenizer that has them as special tokens needs `skip_special_tokens: false`).
+//! read from the text, where they stay even as special tokens ([`ToolCallFormat::markers`](super::ToolCallFormat::markers)).
 
 use serde_json::Value;
 
 use super::{
-    super::held_len, compact_json, json_object_len, lark_string, CallStream, CallsGrammar, Function, Markers, Parsed,
-    ToolCall,
+    super::held_len, compact_json, json_object_len, json_rule, lark_string, CallStream, CallsGrammar, Function,
+    Markers, Parsed, ToolCall,
 };
 
 pub const START: &str = "[TOOL_CALLS]";
@@ -24,7 +24,10 @@ pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Marke
     let mut rules = format!("call: {}\n", alternatives.join(" | "));
     for (i, function) in functions.iter().enumerate() {
         let (name, args) = (lark_string(&function.name), markers.lark(ARGS));
-        rules.push_str(&format!("call_{i}: {name} {args} %json {}\n", function.parameters));
+        rules.push_str(&format!(
+            "call_{i}: {name} {args} {}\n",
+            json_rule(&function.parameters)
+        ));
     }
     CallsGrammar {
         after: format!("call{repeat}"),

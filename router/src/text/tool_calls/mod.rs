@@ -92,6 +92,18 @@ impl ToolCallFormat {
         }
     }
 
+    /// The markers a call is written with. Where the tokenizer has them as special tokens, they must
+    /// stay in the text of an answer that may call tools, for the parser to find the calls.
+    pub fn markers(self) -> &'static [&'static str] {
+        match self {
+            Self::Hermes => &[hermes::START, hermes::END],
+            Self::Qwen3Coder => &[qwen3_coder::START, qwen3_coder::END],
+            Self::Llama3 => &[llama3::PYTHON_TAG],
+            Self::Mistral => &[mistral::START],
+            Self::MistralArgs => &[mistral_args::START, mistral_args::ARGS],
+        }
+    }
+
     /// A fresh parser for one answer calling `functions` (whose schemas type Qwen3-Coder's values).
     pub fn parser(self, functions: &[Function]) -> ToolCallParser {
         match self {
@@ -179,20 +191,60 @@ fn lark_string(text: &str) -> String {
     }
 }
 
+/// A Lark rule body of JSON text matching `schema`, spaced as templates write it (Jinja's `tojson`,
+/// Python's `json.dumps`): `", "` between items, `": "` after keys, and no other whitespace, so a
+/// sampled call cannot spend its tokens on blanks (JSON's grammar allows any run of them).
+fn json_rule(schema: &Value) -> String {
+    let spacing = serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+    let mut schema = schema.clone();
+    match schema.as_object_mut() {
+        Some(object) => {
+            object.insert("x-guidance".into(), spacing);
+        }
+        // `true`/`false` schemas: wrapped, as they hold no `$ref` to a root that would move.
+        None => schema = serde_json::json!({"allOf": [schema], "x-guidance": spacing}),
+    }
+    format!("%json {schema}")
+}
+
+/// `schema` as the part at `pointer` of a larger schema: its references into itself (`#/...`, as to
+/// its `$defs`) rewritten to point there. Values given as data (`const`, `enum`, ...) are left alone.
+fn relocated(schema: &Value, pointer: &str) -> Value {
+    match schema {
+        Value::Object(object) => object
+            .iter()
+            .map(|(key, value)| {
+                let value = match (key.as_str(), value) {
+                    ("$ref", Value::String(reference)) if reference.starts_with('#') => {
+                        Value::String(format!("#{pointer}{}", &reference[1..]))
+                    }
+                    ("const" | "enum" | "default" | "examples", _) => value.clone(),
+                    _ => relocated(value, pointer),
+                };
+                (key.clone(), value)
+            })
+            .collect(),
+        Value::Array(items) => items.iter().map(|item| relocated(item, pointer)).collect(),
+        _ => schema.clone(),
+    }
+}
+
 /// The rule body of one call's JSON object `{"name": ..., key: arguments}` to any of `functions`.
 fn json_call_rule(functions: &[Function], arguments_key: &str) -> String {
     let calls: Vec<Value> = functions
         .iter()
-        .map(|function| {
+        .enumerate()
+        .map(|(i, function)| {
+            let arguments = relocated(&function.parameters, &format!("/anyOf/{i}/properties/{arguments_key}"));
             serde_json::json!({
                 "type": "object",
-                "properties": {"name": {"const": function.name}, arguments_key: function.parameters},
+                "properties": {"name": {"const": function.name}, arguments_key: arguments},
                 "required": ["name", arguments_key],
                 "additionalProperties": false,
             })
         })
         .collect();
-    format!("%json {}", serde_json::json!({"anyOf": calls}))
+    json_rule(&serde_json::json!({"anyOf": calls}))
 }
 
 /// A call the model made: the function's name and its arguments as compact JSON text.

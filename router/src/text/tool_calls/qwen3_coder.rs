@@ -16,7 +16,9 @@
 
 use serde_json::Value;
 
-use super::{super::held_len, hermes, lark_string, CallStream, CallsGrammar, Function, Markers, Parsed, ToolCall};
+use super::{
+    super::held_len, hermes, json_rule, lark_string, CallStream, CallsGrammar, Function, Markers, Parsed, ToolCall,
+};
 
 pub const START: &str = hermes::START;
 pub const END: &str = hermes::END;
@@ -69,7 +71,11 @@ pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Marke
                         )
                     }
                     _ if is_text(Some(schema)) => "text_value".to_owned(),
-                    _ => format!("%json {schema} {}", lark_string(&format!("\n{PARAMETER_END}"))),
+                    _ => format!(
+                        "{} {}",
+                        json_rule(&with_definitions(schema, &function.parameters)),
+                        lark_string(&format!("\n{PARAMETER_END}"))
+                    ),
                 };
                 rules.push_str(&format!("parameter_{i}_{j}: {head} {value} \"\\n\"\n"));
                 let optional = if required.contains(&name.as_str()) { "" } else { "?" };
@@ -83,6 +89,20 @@ pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Marke
         rules,
         untriggered: None,
     }
+}
+
+/// A parameter's schema, to be compiled alone, with the definitions of the tool's schema it may
+/// refer to (`#/$defs/...`, `#/definitions/...`) copied to its root.
+fn with_definitions(schema: &Value, parameters: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Some(object) = schema.as_object_mut() {
+        for key in ["$defs", "definitions"] {
+            if let Some(definitions) = parameters.get(key) {
+                object.entry(key).or_insert_with(|| definitions.clone());
+            }
+        }
+    }
+    schema
 }
 
 /// What a call block's text (after the start marker) holds so far.
