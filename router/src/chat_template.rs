@@ -1,7 +1,7 @@
 //! Chat templates: the model's own Jinja template (`chat_template.jinja`, or `chat_template` in
 //! `tokenizer_config.json`), rendered in the router with minijinja and what Hugging Face templates use:
-//! `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, and Python string
-//! methods (`.strip()`, `.startswith()`, ...).
+//! `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, transformers'
+//! `tojson` (Python's `json.dumps`), and Python string methods (`.strip()`, `.startswith()`, ...).
 //!
 //! Tools reach the template as `tools` (OpenAI's tool objects), assistant turns' calls as
 //! `message.tool_calls` (with `function.arguments` parsed into an object, as Hugging Face templates
@@ -18,7 +18,7 @@ use thiserror::Error;
 
 use crate::{
     api::openai::{ChatMessage, MessageContent},
-    text::tool_calls::hermes,
+    text::{pyjson, tool_calls::hermes},
 };
 
 #[derive(Debug, Error)]
@@ -109,6 +109,7 @@ impl ChatTemplate {
                 Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.clone())
             .map_err(|e| ChatTemplateError::Load(e.to_string()))?;
         Ok(Self {
@@ -209,6 +210,37 @@ impl ChatTemplate {
             })
             .map_err(|e| ChatTemplateError::Render(e.to_string()))
     }
+}
+
+/// The `tojson` filter as transformers defines it for chat templates: `json.dumps` with its keyword
+/// arguments (`indent`, `separators`, `sort_keys`, `ensure_ascii`, off by default), not minijinja's
+/// compact and HTML-escaped JSON, so tools and calls read as the model saw them in training.
+fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<minijinja::Value, minijinja::Error> {
+    let invalid = |message: &str| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {message}"));
+    let json = serde_json::to_value(&value).map_err(|e| invalid("cannot serialize to JSON").with_source(e))?;
+    let indent = match kwargs.get::<Option<minijinja::Value>>("indent")? {
+        Some(indent) if indent.is_none() || indent.is_undefined() => None,
+        Some(indent) => Some(match indent.as_str() {
+            Some(text) => text.to_owned(),
+            None => " ".repeat(usize::try_from(indent).map_err(|_| invalid("`indent` must be a count or a string"))?),
+        }),
+        None => None,
+    };
+    let separators = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        Some(pair) => match <[String; 2]>::try_from(pair) {
+            Ok([item, key]) => Some((item, key)),
+            Err(_) => return Err(invalid("`separators` must be a pair of strings")),
+        },
+        None => None,
+    };
+    let options = pyjson::Options {
+        indent,
+        separators,
+        sort_keys: kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false),
+        ensure_ascii: kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    Ok(minijinja::Value::from_safe_string(pyjson::dumps(&json, &options)))
 }
 
 /// Two pieces of a turn's text, a blank line between them when both have some.
@@ -318,6 +350,31 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
         );
     }
 
+    /// `tojson` is transformers' (`json.dumps`): spaced, `<` and non-ASCII as they are, and its
+    /// keyword arguments; the expected texts are Python's.
+    #[test]
+    fn tojson_writes_as_python_does() {
+        let render = |source: &str| {
+            let template = ChatTemplate::new(source.into(), String::new(), String::new()).expect("valid");
+            let extra = serde_json::json!({"value": {"b": "<Straße> & 'x'", "a": [1, 2.5, null]}});
+            template.render(&[], false, extra.as_object().expect("an object"))
+        };
+        assert_eq!(
+            render("{{ value | tojson }}").expect("renders"),
+            r#"{"b": "<Straße> & 'x'", "a": [1, 2.5, null]}"#
+        );
+        assert_eq!(
+            render("{{ value | tojson(indent=2, sort_keys=true) }}").expect("renders"),
+            "{\n  \"a\": [\n    1,\n    2.5,\n    null\n  ],\n  \"b\": \"<Straße> & 'x'\"\n}"
+        );
+        assert_eq!(
+            render("{{ value | tojson(separators=(',', ':'), ensure_ascii=true) }}").expect("renders"),
+            r#"{"b":"<Stra\u00dfe> & 'x'","a":[1,2.5,null]}"#
+        );
+        let error = render("{{ value | tojson(separators=(',',)) }}").unwrap_err();
+        assert!(error.to_string().contains("separators"), "{error}");
+    }
+
     fn tool_history() -> Vec<ChatMessage> {
         let mut call = message("assistant", "");
         call.content = None;
@@ -347,10 +404,10 @@ message['content'].strip() + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_genera
             "{prompt}"
         );
         assert!(
-            prompt.contains("<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"weather\"}}\n</tools>"),
+            prompt.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"weather\"}}\n</tools>"),
             "{prompt}"
         );
-        assert!(prompt.contains("<|im_start|>assistant\n<tool_call>\n{\"name\":\"weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call><|im_end|>"), "{prompt}");
+        assert!(prompt.contains("<|im_start|>assistant\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>"), "{prompt}");
         assert!(
             prompt.contains("<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|>"),
             "{prompt}"

@@ -305,13 +305,13 @@ MISTRAL_TEMPLATE = (
     "{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
     "{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]"
     "{%- elif message.tool_calls %}{%- for call in message.tool_calls %}"
-    "[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ call.function.arguments }}{%- endfor %}</s>"
+    "[TOOL_CALLS]{{ call.function.name }}[ARGS]{{ call.function.arguments | tojson }}{%- endfor %}</s>"
     "{%- else %}{{ message.content }}</s>{%- endif %}{%- endfor %}"
 )
 
 
 @pytest.fixture(scope="module")
-def mistral_server(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def mistral_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random model whose tokenizer has Mistral's `[TOOL_CALLS]` and `[ARGS]` as special tokens (two
     of the default tokenizer's special tokens renamed) and whose template writes calls the v11 way."""
     from .conftest import make_tiny_model
@@ -332,7 +332,12 @@ def mistral_server(default_model: Path, tmp_path_factory: pytest.TempPathFactory
         token["content"] = renamed.get(token["content"], token["content"])
     config["chat_template"] = MISTRAL_TEMPLATE
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    server = start_server(model_dir, tmp_path_factory.mktemp("mistral-server"))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def mistral_server(mistral_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(mistral_model, tmp_path_factory.mktemp("mistral-server"))
     yield server
     stop_server(server)
 
@@ -368,3 +373,41 @@ def test_calls_written_with_special_token_markers_are_read(mistral_server: Serve
     assert message.stop_reason == "tool_use", message
     assert [block.type for block in message.content] == ["tool_use"], message
     jsonschema.validate(message.content[0].input, SCHEMAS["get_time"])
+
+
+def test_tool_chat_prompts_are_what_transformers_renders(mistral_model: Path, mistral_server: Server) -> None:
+    """A tool chat's prompt (tools whose text has non-ASCII characters and HTML's, an assistant's call,
+    its result) is exactly the text transformers renders from the same template: `tojson` is Python's
+    `json.dumps` (spaced, nothing escaped for HTML), not minijinja's compact one."""
+    import transformers
+
+    convert = {
+        "type": "function",
+        "function": {
+            "name": "convert",
+            "description": "Währung <EUR> & 'USD' — rate",
+            "parameters": {"type": "object", "properties": {"amount": {"type": "number"}}},
+        },
+    }
+    tools = [WEATHER, convert]
+    arguments = {"amount": 2.5, "note": "für <you>"}
+
+    def conversation(call_arguments: object) -> list[dict]:
+        function = {"name": "convert", "arguments": call_arguments}
+        call = {"id": "call_1", "type": "function", "function": function}
+        return [
+            {"role": "user", "content": "Wie viel sind 2,5 €?"},
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "2.7"},
+        ]
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(mistral_model)
+    # transformers' templates take a call's arguments as a mapping; the OpenAI API sends them as JSON text.
+    expected = tokenizer.apply_chat_template(
+        conversation(arguments), tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert "Währung <EUR> & 'USD'" in expected and '"amount": 2.5, "note": "für <you>"' in expected
+    body = {"messages": conversation(json.dumps(arguments)), "tools": tools}
+    rendered = requests.post(f"{mistral_server.url}/tokenize", json=body, timeout=30)
+    assert rendered.status_code == 200, rendered.text
+    assert rendered.json()["prompt"] == expected

@@ -299,6 +299,8 @@ pub struct TokenizeRequest {
     pub messages: Option<Vec<openai::ChatMessage>>,
     /// With `messages`: end the rendered prompt with the assistant's turn opening. Default true.
     pub add_generation_prompt: Option<bool>,
+    /// With `messages`: the tools offered, rendered as a chat request's `tools` are.
+    pub tools: Option<Vec<openai::Tool>>,
     /// With `prompt`: add the tokenizer's special tokens (BOS, ...). Default true.
     pub add_special_tokens: Option<bool>,
 }

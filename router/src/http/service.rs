@@ -126,19 +126,19 @@ pub async fn tokenize(
     body: Result<Json<TokenizeRequest>, JsonRejection>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     let Json(request) = body?;
+    let mut variables = serde_json::Map::new();
+    if let Some(tools) = request.tools.filter(|tools| !tools.is_empty()) {
+        variables.insert("tools".into(), serde_json::to_value(tools).expect("tools serialize"));
+    }
     let (prompt, add_special_tokens) = match (request.prompt, request.messages) {
-        (Some(prompt), None) => (prompt, request.add_special_tokens.unwrap_or(true)),
+        (Some(prompt), None) if variables.is_empty() => (prompt, request.add_special_tokens.unwrap_or(true)),
         (None, Some(messages)) => (
-            state.render_chat(
-                &messages,
-                request.add_generation_prompt.unwrap_or(true),
-                &serde_json::Map::new(),
-            )?,
+            state.render_chat(&messages, request.add_generation_prompt.unwrap_or(true), &variables)?,
             false,
         ),
         _ => {
             return Err(ApiError::Unprocessable(
-                "give exactly one of `prompt` (or `inputs`) and `messages`".into(),
+                "give exactly one of `prompt` (or `inputs`) and `messages` (`tools` go with `messages`)".into(),
             ))
         }
     };

@@ -12,11 +12,14 @@
 //! a reasoning model's thinking apart from the answer, and [`tool_calls`] takes the model's tool calls
 //! out of the answer, one parser per template family.
 //!
+//! [`pyjson`] writes JSON as chat templates' `tojson` does, for the prompts of tool chats.
+//!
 //! It does not tokenize prompts, apply chat templates, or decide when generation ends: the caller
 //! feeds tokens in, and finishes the request when [`StopOutcome::stopped`] says so (or on EOS or
 //! length, which it checks itself).
 
 mod detokenize;
+pub mod pyjson;
 pub mod reasoning;
 mod stop;
 pub mod tool_calls;

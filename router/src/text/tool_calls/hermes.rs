@@ -3,7 +3,7 @@
 //! have no tool support of their own (`chat_template`): [`system_prompt`], [`render_call`] and
 //! [`render_response`] write the tools, calls and results as Qwen2.5's template does.
 
-use super::{super::held_len, json_call_rule, CallStream, CallsGrammar, Function, Markers, Parsed};
+use super::{super::held_len, super::pyjson, json_call_rule, CallStream, CallsGrammar, Function, Markers, Parsed};
 
 pub const START: &str = "<tool_call>";
 pub const END: &str = "</tool_call>";
@@ -27,7 +27,12 @@ pub(super) fn grammar(functions: &[Function], is_parallel: bool, markers: &Marke
 pub fn system_prompt(tools: &serde_json::Value) -> String {
     let tools: Vec<String> = tools
         .as_array()
-        .map(|tools| tools.iter().map(|tool| tool.to_string()).collect())
+        .map(|tools| {
+            tools
+                .iter()
+                .map(|tool| pyjson::dumps(tool, &pyjson::Options::default()))
+                .collect()
+        })
         .unwrap_or_default();
     format!(
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
@@ -43,10 +48,11 @@ pub fn render_response(content: &str) -> String {
     format!("<tool_response>\n{content}\n</tool_response>")
 }
 
-/// The text of a call as the model writes it (for assistant turns given back in the history).
+/// The text of a call as the model writes it (for assistant turns given back in the history): spaced
+/// as the call grammar makes the model write it, so a re-rendered turn is the tokens it generated.
 pub fn render_call(name: &str, arguments: &serde_json::Value) -> String {
     let call = serde_json::json!({"name": name, "arguments": arguments});
-    format!("{START}\n{call}\n{END}")
+    format!("{START}\n{}\n{END}", pyjson::dumps(&call, &pyjson::Options::default()))
 }
 
 #[derive(Debug, Default)]
