@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_type", "dtype", "device", "block_size", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "sliding_windows")
+    __slots__ = ("model_type", "dtype", "device", "block_size", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "sliding_windows", "max_loras", "max_lora_rank")
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class InfoResponse(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     dtype: str
     device: str
@@ -32,7 +34,9 @@ class InfoResponse(_message.Message):
     world_size: int
     architecture: str
     sliding_windows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., sliding_windows: _Optional[_Iterable[int]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -114,7 +118,7 @@ class SamplingParams(_message.Message):
     def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., top_n_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceChunk(_message.Message):
-    __slots__ = ("id", "token_ids", "num_computed_tokens", "block_table", "sample", "params", "cached_token_ids", "allowed_token_bitmask")
+    __slots__ = ("id", "token_ids", "num_computed_tokens", "block_table", "sample", "params", "cached_token_ids", "allowed_token_bitmask", "adapter_id")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +127,7 @@ class SequenceChunk(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -131,7 +136,8 @@ class SequenceChunk(_message.Message):
     params: SamplingParams
     cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
     allowed_token_bitmask: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapter_id: int
+    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("device_block", "host_block")
@@ -142,16 +148,18 @@ class BlockCopy(_message.Message):
     def __init__(self, device_block: _Optional[int] = ..., host_block: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("released_ids", "sequences", "swap_out", "swap_in")
+    __slots__ = ("released_ids", "sequences", "swap_out", "swap_in", "unloaded_adapter_ids")
     RELEASED_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    UNLOADED_ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
     released_ids: _containers.RepeatedScalarFieldContainer[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceChunk]
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, released_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceChunk, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    unloaded_adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, released_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceChunk, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., unloaded_adapter_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -188,3 +196,19 @@ class ClearCacheRequest(_message.Message):
 class ClearCacheResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "path")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: int
+    path: str
+    def __init__(self, adapter_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("rank", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -43,6 +43,11 @@ class ShardStub:
                 request_serializer=shard_dot_v1_dot_shard__pb2.ClearCacheRequest.SerializeToString,
                 response_deserializer=shard_dot_v1_dot_shard__pb2.ClearCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/rill.shard.v1.Shard/LoadAdapter',
+                request_serializer=shard_dot_v1_dot_shard__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=shard_dot_v1_dot_shard__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -93,6 +98,15 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """/ Reads a PEFT LoRA adapter into host memory under the router's id (every rank its own slice); a
+        / sequence then runs with it by naming the id. Only on a shard started with LoRA slots (Info's
+        / `max_loras` > 0). Fails (INVALID_ARGUMENT, naming the problem) on a folder the shard cannot serve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +139,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.ClearCache,
                     request_deserializer=shard_dot_v1_dot_shard__pb2.ClearCacheRequest.FromString,
                     response_serializer=shard_dot_v1_dot_shard__pb2.ClearCacheResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=shard_dot_v1_dot_shard__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=shard_dot_v1_dot_shard__pb2.LoadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -289,6 +308,33 @@ class Shard:
             '/rill.shard.v1.Shard/ClearCache',
             shard_dot_v1_dot_shard__pb2.ClearCacheRequest.SerializeToString,
             shard_dot_v1_dot_shard__pb2.ClearCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rill.shard.v1.Shard/LoadAdapter',
+            shard_dot_v1_dot_shard__pb2.LoadAdapterRequest.SerializeToString,
+            shard_dot_v1_dot_shard__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
