@@ -164,6 +164,23 @@ class KernelOps(abc.ABC):
         """x [rows, in] @ weight^T with the weight from `pack_linear`; row r depends only on row r of x."""
         raise NotImplementedError(f"the {self.name} kernels have no linear")
 
+    def lora_add(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        row_slots: torch.Tensor,
+        part_ends: tuple[int, ...],
+    ) -> None:
+        """Adds each row's LoRA product to y [rows, out] in place (`rill.shard.layers.lora.lora_add_reference`
+        states the math): for row r whose slot s = row_slots[r] (int32 [rows]) is >= 0, h = lora_a[s] @ x[r]
+        with lora_a [S, P * R, in], then y[r, o] += lora_b[s, o] . h[p * R : (p + 1) * R] for the outputs o of
+        part p, [part_ends[p - 1], part_ends[p]) (part_ends[-1] = out), with lora_b [S, out, R] (the adapter's
+        scaling folded in). Rows whose slot is -1 are not touched. Row r's bits depend only on row r of x and
+        y and on its slot's weights: not on the other rows, nor on which slot holds those weights."""
+        raise NotImplementedError(f"the {self.name} kernels have no lora_add")
+
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The index of each row's first maximum (a NaN counts as the maximum), int64 [rows], for float32
         x [rows, n]: torch's `x.max(dim=-1).indices`."""

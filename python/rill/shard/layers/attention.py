@@ -36,10 +36,14 @@ KEY_TILE_SIZE = 256
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """What the attention layers of one forward pass read: the KV pool and the batch's `AttentionMetadata`."""
+    """What the layers of one forward pass read: the KV pool and the batch's `AttentionMetadata` (attention),
+    and each token row's LoRA slot (the projections with adapters, `rill.shard.layers.lora`)."""
 
     kv_cache: KVCache
     meta: AttentionMetadata
+    # int32 [num_tokens]: the LoRA slot of each row's adapter, -1 for the base model; None when no row of the
+    # batch uses an adapter.
+    lora_slots: torch.Tensor | None = None
 
 
 _current_context: ForwardContext | None = None

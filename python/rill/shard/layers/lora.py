@@ -1,0 +1,44 @@
+"""LoRA on a projection: the stacked adapter weights a `Linear` holds, and the torch reference of the product.
+
+A projection y = x W^T with adapters gets, for a row run with adapter a, y += scale_a * (x A_a^T) B_a^T
+(PEFT's LoRA: A_a [r, in], B_a [out, r]). The weights of the adapters a forward may use sit in S slots
+(`--max-loras`) of one stack per projection, so one call serves a batch that mixes adapters and base rows,
+each row picking its slot (`ForwardContext.lora_slots`):
+
+- `a` [S, P * R, in]: slot s holds the A of each of the projection's P parts (q/k/v of a fused qkv, gate/up),
+  part p in rows [p * R, (p + 1) * R), zero-padded from the adapter's rank up to R (`--max-lora-rank`);
+- `b` [S, out, R]: the B of the part that owns each output row, times the adapter's scaling, zero-padded in
+  its columns from the rank up to R. A part the adapter leaves alone is zero in both.
+
+Padding and untouched parts add exact zeros, so a row's bits do not depend on R beyond its rank's terms nor on
+which slot holds its adapter. With tensor parallelism the stacks are split as the weight they modify is: B's
+rows for a column-parallel projection, A's columns for a row-parallel one (whose partial products the
+all-reduce then sums, as it sums the base product's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rill.shard.layers.linear import invariant_matmul
+
+
+def lora_add_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    row_slots: torch.Tensor,
+    part_ends: tuple[int, ...],
+) -> None:
+    """`KernelOps.lora_add` in torch: the rows of each slot gathered, shrunk by A, expanded by each part's B
+    and added to y in place. Row r depends only on row r (`invariant_matmul`)."""
+    rank = lora_b.shape[2]
+    for slot in sorted(set(row_slots.tolist()) - {-1}):
+        rows = (row_slots == slot).nonzero().squeeze(1)
+        h = invariant_matmul(x[rows], lora_a[slot])
+        start = 0
+        for part, end in enumerate(part_ends):
+            product = invariant_matmul(h[:, part * rank : (part + 1) * rank], lora_b[slot, start:end])
+            y[rows, start:end] += product
+            start = end
