@@ -25,7 +25,7 @@ Fused layers (qkv, gate/up) map the Hugging Face tensors (`shard_id` names the p
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +35,15 @@ from rill.shard import distributed
 from rill.shard.layers.backend import KernelLayer
 
 ROW_MULTIPLE = 16
+
+
+class AdapterProduct(Protocol):
+    """What a projection asks of its LoRA adapter slots (`rill.shard.layers.lora.LoraStack`)."""
+
+    def use_ops(self, ops: KernelOps | None) -> None: ...
+
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y += the adapter product of each row of x that runs with an adapter, in place."""
 
 
 class PackedWeight:
@@ -116,6 +125,8 @@ class Linear(KernelLayer):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         self.packed: PackedWeight | None = None  # set with kernel ops, after loading
+        # Adapter slots (rill.shard.layers.lora), set before the ops are installed when the shard serves LoRA.
+        self.lora: AdapterProduct | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
         assert shard_id is None, f"unexpected shard id {shard_id!r} for an unfused parameter"
@@ -127,14 +138,23 @@ class Linear(KernelLayer):
     def use_ops(self, ops: KernelOps | None) -> None:
         super().use_ops(ops)
         self.packed = pack_for(self, keep_weight=False)
+        if self.lora is not None:
+            self.lora.use_ops(ops)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return invariant_matmul(x, self.weight)
         return self.packed.matmul(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T plus the adapter product of each row that has one (before any bias)."""
         y = self.matmul(x)
+        if self.lora is not None:
+            self.lora.add(y, x)
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(x)
         return y if self.bias is None else y + self.bias
 
 
@@ -240,7 +260,7 @@ class RowParallelLinear(Linear):
         copy_into(param.data, read_part(loaded, 1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = distributed.all_reduce(self.matmul(x))
+        y = distributed.all_reduce(self.project(x))
         return y if self.bias is None else y + self.bias
 
 

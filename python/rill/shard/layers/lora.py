@@ -20,7 +20,40 @@ from __future__ import annotations
 
 import torch
 
+from rill.kernels.ops import KernelOps
+from rill.shard.layers.attention import get_forward_context
 from rill.shard.layers.linear import invariant_matmul
+
+
+class LoraStack:
+    """The adapter slots of one projection (see the module docstring), zero until adapters are put in them;
+    `Linear.lora` holds it. Adds the product with `ops.lora_add` where the ops provide it, else the
+    reference."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        rank: int,
+        in_features: int,
+        part_ends: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.rank, self.part_ends = rank, part_ends
+        self.a = torch.zeros(num_slots, len(part_ends) * rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, part_ends[-1], rank, dtype=dtype, device=device)
+        self.ops: KernelOps | None = None
+
+    def use_ops(self, ops: KernelOps | None) -> None:
+        self.ops = ops if ops is not None and ops.provides("lora_add") else None
+
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y += each row's adapter product, for the rows of this forward's `lora_slots` (none: nothing)."""
+        slots = get_forward_context().lora_slots
+        if slots is None:
+            return
+        lora_add = self.ops.lora_add if self.ops is not None else lora_add_reference
+        lora_add(y, x, self.a, self.b, slots, self.part_ends)
 
 
 def lora_add_reference(
