@@ -74,6 +74,8 @@ class LaunchConfig:
     kv_block_size: int | None  # None: the shard's default
     num_threads: int | None  # None: the shard keeps torch's default
     attention_backend: str  # auto (the device's native kernels where they can run), cpu, cuda or torch
+    max_loras: int  # LoRA adapter slots per shard (0: LoRA off)
+    max_lora_rank: int
     otlp_endpoint: str | None  # OpenTelemetry collector for the shards' spans (and the router's)
     api_key: str | None  # handed to the router through its environment, never on a command line
     restart_shards: bool
@@ -157,6 +159,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "cpu or cuda (Rill's native kernels) or torch (the references); auto = the device's kernels "
         "where they can run",
     )
+    flag(
+        "max-loras",
+        int,
+        "0",
+        "LoRA adapter slots per shard, the most distinct adapters one batch mixes (memory for them is "
+        "set aside before the KV cache); 0 = LoRA off. Adapters come from the router's --lora-adapters "
+        "and --enable-lora-loading",
+    )
+    flag("max-lora-rank", int, "16", "the largest LoRA rank an adapter may have (sizes the slots)")
     flag("otlp-endpoint", str, None, "send the shards' and the router's OpenTelemetry spans here", "off")
     flag(
         "api-key",
@@ -195,6 +206,11 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         parser.error(f"--attention-backend must be auto, cpu, cuda or torch, got {args.attention_backend!r}")
     if args.attention_backend in ("cpu", "cuda") and device != args.attention_backend:
         parser.error(f"--attention-backend {args.attention_backend} needs --device {args.attention_backend}")
+    if args.max_loras < 0 or args.max_lora_rank < 1:
+        parser.error(
+            f"--max-loras must be >= 0 and --max-lora-rank >= 1, "
+            f"got {args.max_loras} and {args.max_lora_rank}"
+        )
     if args.log_level.lower() not in ("debug", "info", "warning", "error"):
         parser.error(f"--log-level must be debug, info, warning or error, got {args.log_level!r}")
     # Configured here, before the default model's first conversion logs its progress; a no-op when the
@@ -220,6 +236,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         kv_block_size=args.kv_block_size,
         num_threads=num_threads,
         attention_backend=args.attention_backend,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         otlp_endpoint=args.otlp_endpoint or None,
         api_key=args.api_key or None,
         restart_shards=args.restart_shards,
@@ -309,6 +327,8 @@ def shard_command(
         command += ["--kv-block-size", str(config.kv_block_size)]
     if config.num_threads is not None:
         command += ["--num-threads", str(config.num_threads)]
+    if config.max_loras > 0:
+        command += ["--max-loras", str(config.max_loras), "--max-lora-rank", str(config.max_lora_rank)]
     if dist_init_method is not None:
         command += ["--dist-init-method", dist_init_method]
     if config.otlp_endpoint:
