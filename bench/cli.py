@@ -45,7 +45,9 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
         "native: Rill/TGI POST /generate_stream (default: %(default)s)",
     )
     group.add_argument(
-        "--model", help="OpenAI `model` field (default: the first of GET /v1/models, else 'default')"
+        "--model",
+        help="OpenAI `model` field (default: the first of GET /v1/models, else 'default'); several, "
+        "comma-separated, are sent in turn (request i gets the (i mod n)-th: LoRA adapters mixed evenly)",
     )
     group.add_argument(
         "--temperature",
@@ -186,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         compare.add_argument(
             f"--{side}-api", choices=API_FLAVOURS, help=f"API flavour of {side} (default: --api)"
         )
+        compare.add_argument(f"--{side}-model", help=f"`model` field(s) of {side} (default: --model)")
     compare.add_argument(
         "--rounds",
         type=int,
@@ -371,13 +374,13 @@ def _arrivals(args: argparse.Namespace, request_rate: float | None = None) -> Ar
     return Arrivals(request_rate=rate, concurrency=concurrency, burst_size=burst_size)
 
 
-def _target(args: argparse.Namespace, spec: str, api: str | None) -> Target:
+def _target(args: argparse.Namespace, spec: str, api: str | None, model: str | None = None) -> Target:
     label, _, url = spec.partition("=") if "=" in spec.split("://")[0] else ("", "", spec)
     return Target(
         url=url,
         api=api or args.api,
         label=label,
-        model=args.model,
+        model=model or args.model,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
     )
@@ -451,7 +454,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-    targets = {"a": _target(args, args.a, args.a_api), "b": _target(args, args.b, args.b_api)}
+    targets = {
+        "a": _target(args, args.a, args.a_api, args.a_model),
+        "b": _target(args, args.b, args.b_api, args.b_model),
+    }
     arrivals = _arrivals(args)
     pooled: dict[str, list[RunResult]] = {"a": [], "b": []}
     round_ratios = []

@@ -76,7 +76,8 @@ class Target:
     api: str = "native"
     label: str = ""
     model: str | None = None
-    """OpenAI `model` field; None asks `GET /v1/models` for the first one."""
+    """OpenAI `model` field; None asks `GET /v1/models` for the first one. Comma-separated names are sent in
+    turn (`model_for`)."""
     temperature: float = 0.0
     ignore_eos: bool = False
     """Send vLLM's `ignore_eos: true` (OpenAI flavour only) so outputs run to `max_tokens`."""
@@ -84,6 +85,11 @@ class Target:
     @property
     def name(self) -> str:
         return self.label or self.url
+
+    def model_for(self, index: int) -> str:
+        """The `model` of the workload's request `index`: the names of `model` in turn."""
+        names = (self.model or "default").split(",")
+        return names[index % len(names)]
 
 
 class OpenAIApi:
@@ -96,7 +102,7 @@ class OpenAIApi:
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.target.model or "default",
+            "model": self.target.model_for(spec.index),
             "prompt": spec.prompt,
             "max_tokens": spec.max_tokens,
             "temperature": self.target.temperature,

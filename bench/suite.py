@@ -10,6 +10,7 @@ against each (back to back, in one run), and prints the ratios that docs/benchma
     python -m bench.suite dtypes       # Rill in bfloat16 vs float32 on the peers workload, alternating rounds
     python -m bench.suite constrained  # step time with 0, 8, 32 grammar-constrained sequences of 32; compile
     python -m bench.suite agents       # multi-turn agents under cache churn: chat vs pins vs Responses
+    python -m bench.suite lora         # the peers workload with 0, 1 and 8 LoRA adapters vs no LoRA
 
 Every suite runs the default model on the CPU unless `--device`/`--model-id` say otherwise; `--json PATH`
 keeps every figure. The machine is shared and noisy: compare ratios measured in one run, not absolutes.
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import agents, peers, roofline
+from bench import agents, lora, peers, roofline
 from bench.harness import Server, bench, compare, metrics, ratio, rill
 
 
@@ -257,6 +258,7 @@ SUITES = {
     "dtypes": suite_dtypes,
     "constrained": suite_constrained,
     "agents": agents.run,
+    "lora": lora.run,
 }
 
 
@@ -270,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="rill-router binary (default: what the launcher finds)")  # fmt: skip
     parser.add_argument("--num-requests", type=int, default=24, help="per side (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=6,
-                        help="prefix-cache: rounds of 0%%-hit prompts; dtypes: rounds of the pair "
+                        help="prefix-cache: rounds of 0%%-hit prompts; dtypes, lora: rounds of each pair "
                         "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--target-itl-ms", type=float, default=500.0, help="for `itl` (default: %(default)s)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer.json for exact prompt lengths")

@@ -70,6 +70,15 @@ def test_openai_body_and_model_from_v1_models(fake_server: StartFake) -> None:
     assert "ignore_eos" not in body
 
 
+def test_several_models_are_sent_in_turn(fake_server: StartFake) -> None:
+    server = fake_server(ttft_s=0.0, itl_s=0.0)
+    target = Target(url=server.url, api="openai", model="base,adapter-0,adapter-1")
+    asyncio.run(run_load(target, sessions(7, max_tokens=2), Arrivals(concurrency=1), is_progress_shown=False))
+    by_prompt = {body["prompt"]: body["model"] for body in server.bodies}
+    specs = [spec for session in sessions(7, max_tokens=2) for spec in session]
+    assert [by_prompt[spec.prompt] for spec in specs] == ["base", "adapter-0", "adapter-1"] * 2 + ["base"]
+
+
 def test_native_body(fake_server: StartFake) -> None:
     server = fake_server(ttft_s=0.0, itl_s=0.0)
     run(server, "native", sessions(2, max_tokens=3))
