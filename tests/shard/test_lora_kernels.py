@@ -256,3 +256,30 @@ def test_stack_with_lora_is_bitwise_the_layer_modules(
     assert not torch.equal(with_stack[0][0], without_lora[0][0])
     assert not torch.equal(with_stack[1][1], without_lora[1][1])
     assert torch.equal(with_stack[0][1], without_lora[0][1])
+
+
+def test_stack_refuses_lora_that_does_not_fit(tmp_path: Path) -> None:
+    runner = make_runner(save_tiny_model(tmp_path / "llama"), attention_backend="cpu")
+    give_adapters(runner, seed=6)
+    parts = [layer.block_parts() for layer in runner.model.model.layers]
+    weights = [p.weights() for p in parts]
+    shapes = dict(
+        intermediate_size=parts[0].down.packed.in_features,
+        num_heads=parts[0].attention.num_heads,
+        num_kv_heads=parts[0].attention.num_kv_heads,
+        head_dim=parts[0].attention.head_dim,
+        rms_norm_eps=parts[0].input_norm.eps,
+        scale=parts[0].attention.scale,
+    )
+    stack = cpu.decoder_stack(weights, **shapes)
+    assert runner.kv_cache is not None
+    cache, hidden = runner.kv_cache, torch.zeros(1, 64)
+    cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
+    metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]))
+    outside = torch.tensor([NUM_SLOTS], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=f"is neither -1 nor one of the {NUM_SLOTS} LoRA slots"):
+        stack.forward(hidden, None, torch.tensor([0]), cos, sin, cache.k, cache.v, *metadata, outside)
+    with pytest.raises(RuntimeError, match="down_lora_a and down_lora_b must be given together"):
+        cpu.decoder_stack([{**weights[0], "down_lora_b": None}], **shapes)
+    with pytest.raises(RuntimeError, match="qkv_lora_b must be"):
+        cpu.decoder_stack([{**weights[0], "qkv_lora_b": weights[0]["qkv_lora_b"][:, 1:]}], **shapes)
