@@ -49,7 +49,7 @@ def _case(kernel: Any, label: str, runtime: dict[str, str], constexprs: dict[str
 
 def op_cases() -> Iterator[Case]:
     """What the launchers launch for the models Rill serves: (kv heads, head_dim), hidden and intermediate
-    sizes of SmolLM2, Llama 3 8B / 70B, Qwen2.5, Gemma 2."""
+    sizes of SmolLM2, Llama 3 8B / 70B, Qwen2.5, Gemma 2, and LoRA on their projections."""
     next_pow2 = triton.next_power_of_2
     for dtype in DTYPES:
         pointer = f"*{dtype}"
@@ -113,6 +113,42 @@ def op_cases() -> Iterator[Case]:
                 {"out_ptr": pointer, "x_ptr": pointer},
                 dict(INTERMEDIATE=intermediate, BLOCK=block),
                 block,
+            )
+        # LoRA (in, part_ends, R): Llama 3 8B's qkv, o_proj and gate_up, SmolLM2's down.
+        for in_features, part_ends, rank in (
+            (4096, (4096, 5120, 6144), 16),
+            (4096, (4096,), 64),
+            (4096, (14336, 28672), 8),
+            (1536, (576,), 1),
+        ):
+            rank_pad, num_parts = next_pow2(rank), len(part_ends)
+            shape = f"{dtype} in{in_features} out{part_ends[-1]} P{num_parts} R{rank}"
+            yield _case(
+                triton_ops._lora_shrink_kernel,
+                f"lora shrink {shape}",
+                {"h_ptr": "*fp32", "x_ptr": pointer, "a_ptr": pointer, "slot_ptr": "*i32"},
+                dict(
+                    IN=in_features,
+                    RANK=rank,
+                    NUM_PARTS=num_parts,
+                    RANK_PAD=rank_pad,
+                    CHUNK=triton_ops.LORA_CHUNK,
+                ),
+                rank_pad * triton_ops.LORA_CHUNK,
+            )
+            yield _case(
+                triton_ops._lora_expand_kernel,
+                f"lora expand {shape}",
+                {"y_ptr": pointer, "h_ptr": "*fp32", "b_ptr": pointer, "slot_ptr": "*i32"}
+                | {"end0": "i32", "end1": "i32"},
+                dict(
+                    OUT=part_ends[-1],
+                    RANK=rank,
+                    NUM_PARTS=num_parts,
+                    RANK_PAD=rank_pad,
+                    BLOCK=triton_ops.LORA_OUTPUTS,
+                ),
+                rank_pad * triton_ops.LORA_OUTPUTS,
             )
     chunk = triton_ops.ROW_CHUNK
     yield Case(

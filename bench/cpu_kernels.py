@@ -1,4 +1,5 @@
-"""Times Rill's CPU paged-attention kernel against the shard's torch reference (one layer, float32).
+"""Times Rill's CPU paged-attention kernel against the shard's torch reference (one layer, float32), and the
+LoRA product beside the linear it adds to.
 
     python -m bench.cpu_kernels [--repeats 20]
 
@@ -6,12 +7,15 @@ Cases: a decode step of 16 sequences at context 512 and a 512-token prefill, 9 q
 head_dim 64, block size 16. Prints the median time per call of each, and the time to read the case's K/V
 once at 30 GB/s. One layer's K/V (12.6 MB for the decode case) stays in the last-level cache between calls, so
 last, the decode case is timed as a model runs it: 30 layers, each with its own pools (K/V from memory).
-Single run on whatever else the machine is doing: a rough figure, not a controlled measurement.
+Then `lora_add` (4 slots of rank 16, every row with an adapter, slots mixed) beside `linear` for the default
+model's qkv (576 -> 960, three parts) and gate_up (576 -> 2 x 1536) projections, at decode and prefill row
+counts. Single run on whatever else the machine is doing: a rough figure, not a controlled measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +27,9 @@ from bench.kernel_cases import AttentionCase, make_case, run_attention
 
 NUM_LAYERS = 30  # the default model's
 OPS = cpu.CpuOps()
+# The default model's (SmolLM2-135M) projections with LoRA: (name, in, part_ends), and the adapters' shape.
+LORA_PROJECTIONS = (("qkv", 576, (576, 768, 960)), ("gate_up", 576, (1536, 3072)))
+LORA_SLOTS, LORA_RANK = 4, 16
 
 
 def decode_case(seed: int = 0) -> AttentionCase:
@@ -42,6 +49,24 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 def kernel_call(case: AttentionCase) -> Callable[[], torch.Tensor]:
     meta = case.metadata()
     return lambda: OPS.paged_attention(case.q, case.k_pool, case.v_pool, meta, case.scale)
+
+
+def lora_beside_linear(repeats: int) -> None:
+    """Median ms of `linear` and of `lora_add` on its output, per projection and row count."""
+    print(f"{'projection':<12}{'rows':>6}{'linear ms':>11}{'lora_add ms':>13}{'lora / linear':>15}")
+    generator = torch.Generator().manual_seed(0)
+    for name, in_features, part_ends in LORA_PROJECTIONS:
+        out_features = part_ends[-1]
+        packed = OPS.pack_linear(torch.randn(out_features, in_features, generator=generator))
+        a = torch.randn(LORA_SLOTS, len(part_ends) * LORA_RANK, in_features, generator=generator)
+        b = torch.randn(LORA_SLOTS, out_features, LORA_RANK, generator=generator)
+        for rows in (1, 16, 64, 512):
+            x = torch.randn(rows, in_features, generator=generator)
+            y = OPS.linear(x, packed, out_features)
+            slots = (torch.arange(rows, dtype=torch.int32) % LORA_SLOTS).contiguous()
+            linear = median_ms(functools.partial(OPS.linear, x, packed, out_features), repeats)
+            lora = median_ms(functools.partial(OPS.lora_add, y, x, a, b, slots, part_ends), repeats)
+            print(f"{name:<12}{rows:>6}{linear:>11.3f}{lora:>13.3f}{lora / linear:>15.2f}")
 
 
 def main() -> None:
@@ -73,6 +98,7 @@ def main() -> None:
         layers.append(kernel_call(case))
     step = median_ms(lambda: [call() for call in layers], max(3, args.repeats // 4))
     print(f"decode 16 x 512, {NUM_LAYERS} layers, each its own pools (K/V from memory): {step:.1f} ms a step")
+    lora_beside_linear(args.repeats)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def test_stack_rejects_pools_that_do_not_match(tmp_path: Path) -> None:
     stack, cache = run.kernel, runner.kv_cache
     hidden = torch.zeros(1, 64)
     cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
-    metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]))
+    metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]), None)  # no LoRA slots
     with pytest.raises(RuntimeError, match="one K and one V pool per layer"):
         stack.forward(hidden, None, torch.tensor([0]), cos, sin, cache.k[:1], cache.v[:1], *metadata)
     with pytest.raises(RuntimeError, match="outside the pool"):

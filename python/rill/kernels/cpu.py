@@ -57,6 +57,7 @@ def sources() -> KernelSources:
                 "decoder.cpp",
                 "elementwise.cpp",
                 "linear.cpp",
+                "lora.cpp",
                 "rows.cpp",
             )
         ),
@@ -191,6 +192,23 @@ class CpuOps(KernelOps):
             return x @ packed.T
         return load().linear(x, packed, out_features)
 
+    def lora_add(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        row_slots: torch.Tensor,
+        part_ends: tuple[int, ...],
+    ) -> None:
+        """float32 or bfloat16 (on any CPU: the arithmetic is float32), y contiguous (written in place),
+        row_slots int32; a slot outside [-1, S) is refused. Rounding against the reference (lora.cpp): each h
+        entry is one dot over the inputs in 16 float32 lanes of fused multiply-adds and a fixed tree over the
+        lanes, and each output's product one chain of fused multiply-adds over the R columns, where torch's
+        matmul sums in its own order: equal within float32 rounding, not bitwise. Rounded to the dtype where
+        the reference rounds (h, the product, the sum with y)."""
+        load().lora_add(y, x.contiguous(), lora_a, lora_b, row_slots, list(part_ends))
+
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """A vectorised pass: torch's reduction with indices took ~350 us on [16, 49152] logits on 2 threads,
         this ~35 us."""
@@ -240,10 +258,12 @@ def decoder_stack(
 ) -> Any:
     """A run of Llama-family decoder layers (pre-norm RMSNorm, q/k/v, rotary, paged attention, o, gated SiLU
     MLP) whose `forward(hidden, residual, positions, cos, sin, k_pools, v_pools, block_tables, cu_seqlens_q,
-    slot_mapping)` runs them all in one call and returns the last layer's (hidden, residual), as
+    slot_mapping, lora_slots)` runs them all in one call and returns the last layer's (hidden, residual), as
     `LlamaDecoderLayer.forward` would, with the bits of the same kernels called one op at a time. Each layer
-    is a dict of the `decoder_layer_fields` (projections packed by `CpuOps.pack_linear`, absent biases None)
-    and `sliding_window` (0: none). The weights are checked here, once."""
+    is a dict of the `decoder_layer_fields` (projections packed by `CpuOps.pack_linear`, absent biases and
+    LoRA stacks None; a projection's LoRA stacks are `lora_add`'s lora_a and lora_b) and `sliding_window`
+    (0: none). `lora_slots` is `lora_add`'s row_slots, or None for no LoRA work. The weights are checked
+    here, once."""
     lib = load()
     built = []
     for layer in layers:

@@ -1,11 +1,11 @@
 """Rill's GPU kernels, all Triton: `GpuOps`, the GPU's `KernelOps`.
 
 Paged attention is `rill.kernels.triton_attention.paged_attention`; the KV write, fused add + RMSNorm, rotary,
-SiLU-and-mul and the sampler's row reductions are `rill.kernels.triton_ops` (contracts at the top of each
-file). Linear layers keep torch's GEMM. Nothing is built ahead of time: Triton compiles each kernel for the
-device on its first call with a new shape class and caches the binary (~/.triton/cache). CI executes the same
-kernels on the CPU under Triton's interpreter and compiles them for sm_80 and sm_90 without a GPU
-(docs/kernels.md, "GPU kernels").
+SiLU-and-mul, the sampler's row reductions and LoRA's product are `rill.kernels.triton_ops` (contracts at the
+top of each file). Linear layers keep torch's GEMM. Nothing is built ahead of time: Triton compiles each
+kernel for the device on its first call with a new shape class and caches the binary (~/.triton/cache). CI
+executes the same kernels on the CPU under Triton's interpreter and compiles them for sm_80 and sm_90 without
+a GPU (docs/kernels.md, "GPU kernels").
 
 Outputs are allocated here with torch and no op syncs with the host, so every op can be captured in a CUDA
 graph. This module imports nothing from rill.shard: kernels sit below the shard.
@@ -39,9 +39,9 @@ def attention() -> ModuleType:
 
 
 class GpuOps(KernelOps):
-    """Every required op, and silu_and_mul and the row reductions, as Triton kernels; not linear (torch's GEMM
-    on a GPU). Tensors may also live on the CPU when Triton runs interpreted (`TRITON_INTERPRET=1`), as the
-    tests do."""
+    """Every required op, and silu_and_mul, the row reductions and lora_add, as Triton kernels; not linear
+    (torch's GEMM on a GPU). Tensors may also live on the CPU when Triton runs interpreted
+    (`TRITON_INTERPRET=1`), as the tests do."""
 
     name = "cuda"
     captures_cuda_graphs = True
@@ -105,6 +105,19 @@ class GpuOps(KernelOps):
         out = torch.empty((x2.shape[0], x2.shape[1] // 2), dtype=x.dtype, device=x.device)
         kernels().launch_silu_and_mul(out, x2)
         return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+    def lora_add(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        row_slots: torch.Tensor,
+        part_ends: tuple[int, ...],
+    ) -> None:
+        """Two kernels (shrink, expand); rounded to the dtype where the reference rounds, summed in another
+        order: float32 within rounding of the reference, not bitwise. Up to 3 parts; row_slots int32."""
+        kernels().launch_lora_add(y, x.contiguous(), lora_a, lora_b, row_slots, part_ends)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Bitwise torch's."""

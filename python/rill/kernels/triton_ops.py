@@ -1,7 +1,7 @@
 """Rill's Triton kernels for what a GPU decode step runs outside attention and the GEMMs: the KV write, fused
-add + RMSNorm, rotary, SiLU-and-mul and the sampler's row reductions. `rill.kernels.gpu.GpuOps` calls them;
-each `launch_*` function below takes torch tensors and launches one kernel (Triton compiles it per shape class
-on first use).
+add + RMSNorm, rotary, SiLU-and-mul, the sampler's row reductions and LoRA's per-row adapter product.
+`rill.kernels.gpu.GpuOps` calls them; each `launch_*` function below takes torch tensors and launches one
+kernel, or two for LoRA (Triton compiles each per shape class on first use).
 
 The same source runs three ways: compiled for the GPU; under Triton's interpreter (`TRITON_INTERPRET=1` in the
 environment before this module is imported) on CPU tensors, which is how CI executes it
@@ -368,3 +368,119 @@ def launch_softmax_stats(row_max: torch.Tensor, log_sum: torch.Tensor, x: torch.
     _softmax_stats_kernel[(x.shape[0],)](
         row_max, log_sum, x, x.shape[1], BLOCK=ROW_CHUNK, num_warps=4, **LAUNCH_OPTIONS
     )
+
+
+# --- LoRA ---------------------------------------------------------------------------------------------------
+# `KernelOps.lora_add` in two phases, as punica's shrink / expand: for each row r with slot s = row_slots[r]
+# >= 0 (int32), h = lora_a[s] x[r] (lora_a [S, P * R, in]), then each output o of part p gets y[r, o] +=
+# lora_b[s, o] . h[p * R : (p + 1) * R] (lora_b [S, out, R]); rows with slot -1 are not touched. All
+# contiguous. Shrink: one program per (row, part): the part's R dots over `in`, LORA_CHUNK lanes of products
+# summed along the input in chunk order, then one tree over the lanes; h rounded to the dtype (the
+# reference's h is a tensor of it) and kept as float32 [rows, P * R]. Expand: one program per (row, block of
+# outputs): each output one tree over its R products, rounded to the dtype, then added to y and rounded. A
+# row's result depends only on it, its slot's weights, `in` and R: never on the batch or on which slot holds
+# the adapter. Not the reference's summation order: float32 results agree to rounding, not bitwise.
+LORA_CHUNK = 128  # inputs per step of the shrink
+LORA_OUTPUTS = 64  # outputs per expand program
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    h_ptr,
+    x_ptr,
+    a_ptr,
+    slot_ptr,
+    IN: tl.constexpr,
+    RANK: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        ranks = tl.arange(0, RANK_PAD)[:, None]
+        cols = tl.arange(0, CHUNK)[None, :]
+        a_rows = a_ptr + (slot * NUM_PARTS * RANK + part * RANK + ranks) * IN
+        lanes = tl.zeros((RANK_PAD, CHUNK), tl.float32)
+        for start in range(0, IN, CHUNK):
+            mask = (ranks < RANK) & (start + cols < IN)
+            a = tl.load(a_rows + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + row * IN + start + cols, mask=start + cols < IN, other=0.0).to(tl.float32)
+            lanes += a * x
+        h = _round(tl.sum(lanes, axis=1), x_ptr.dtype.element_ty)
+        r = tl.arange(0, RANK_PAD)
+        tl.store(h_ptr + row * NUM_PARTS * RANK + part * RANK + r, h, mask=r < RANK)
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr,
+    h_ptr,
+    b_ptr,
+    slot_ptr,
+    end0,
+    end1,
+    OUT: tl.constexpr,
+    RANK: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if slot >= 0:
+        outputs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ranks = tl.arange(0, RANK_PAD)[None, :]
+        part = (outputs >= end0).to(tl.int32) + (outputs >= end1).to(
+            tl.int32
+        )  # part_ends[:-1], padded by OUT
+        mask = (outputs[:, None] < OUT) & (ranks < RANK)
+        h = tl.load(h_ptr + row * NUM_PARTS * RANK + part[:, None] * RANK + ranks, mask=mask, other=0.0)
+        b = tl.load(b_ptr + (slot * OUT + outputs[:, None]) * RANK + ranks, mask=mask, other=0.0)
+        dtype = y_ptr.dtype.element_ty
+        product = _round(tl.sum(b.to(tl.float32) * h, axis=1), dtype)
+        y = tl.load(y_ptr + row * OUT + outputs, mask=outputs < OUT, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * OUT + outputs, _to_dtype(y + product, dtype), mask=outputs < OUT)
+
+
+def launch_lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    row_slots: torch.Tensor,
+    part_ends: tuple[int, ...],
+) -> None:
+    """A slot >= S reads past the stacks (checking it would sync with the host): the caller's contract."""
+    num_rows, in_features = x.shape
+    num_slots, out_features, rank = lora_b.shape
+    num_parts = len(part_ends)
+    if not 1 <= num_parts <= 3 or part_ends[-1] != out_features or list(part_ends) != sorted(set(part_ends)):
+        raise ValueError(f"part_ends {part_ends} must be 1 to 3 ascending ends, the last {out_features}")
+    if lora_a.shape != (num_slots, num_parts * rank, in_features) or y.shape != (num_rows, out_features):
+        raise ValueError(
+            f"lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, x {tuple(x.shape)} and y "
+            f"{tuple(y.shape)} do not fit [S, P * R, in], [S, out, R], [rows, in], [rows, out]"
+        )
+    if (
+        not all(t.is_contiguous() for t in (y, x, lora_a, lora_b, row_slots))
+        or row_slots.dtype != torch.int32
+    ):
+        raise ValueError("lora_add needs contiguous tensors and int32 row_slots")
+    if len({y.dtype, x.dtype, lora_a.dtype, lora_b.dtype}) != 1:
+        raise ValueError("y, x, lora_a and lora_b must share one dtype")
+    if num_rows == 0:
+        return
+    h = torch.empty(num_rows, num_parts * rank, dtype=torch.float32, device=x.device)
+    rank_pad = triton.next_power_of_2(rank)
+    _lora_shrink_kernel[(num_rows, num_parts)](
+        h, x, lora_a, row_slots, IN=in_features, RANK=rank, NUM_PARTS=num_parts, RANK_PAD=rank_pad,
+        CHUNK=LORA_CHUNK, num_warps=_warps(rank_pad * LORA_CHUNK), **LAUNCH_OPTIONS,
+    )  # fmt: skip
+    ends = [*part_ends[:-1], out_features, out_features]
+    _lora_expand_kernel[(num_rows, triton.cdiv(out_features, LORA_OUTPUTS))](
+        y, h, lora_b, row_slots, ends[0], ends[1], OUT=out_features, RANK=rank, NUM_PARTS=num_parts,
+        RANK_PAD=rank_pad, BLOCK=LORA_OUTPUTS, num_warps=_warps(rank_pad * LORA_OUTPUTS), **LAUNCH_OPTIONS,
+    )  # fmt: skip

@@ -25,6 +25,7 @@ from rill.shard import distributed
 from rill.shard.layers.activation import SiluAndMul
 from rill.shard.layers.attention import PagedAttention, get_forward_context
 from rill.shard.layers.linear import Linear
+from rill.shard.layers.lora import LoraStack
 from rill.shard.layers.norm import RMSNorm
 from rill.shard.layers.rotary import RotaryEmbedding
 
@@ -47,7 +48,7 @@ class StackLayer:
 
     def weights(self) -> dict[str, Any]:
         """The kernel's view of this layer: each of `cpu_kernels.decoder_layer_fields()` by name (projections
-        as packed, absent biases None) and the sliding window."""
+        as packed, their LoRA stacks' `a` and `b`, absent biases and stacks None) and the sliding window."""
         tensors = {
             "input_norm": self.input_norm.weight.data,
             "post_norm": self.post_norm.weight.data,
@@ -57,6 +58,10 @@ class StackLayer:
             assert linear.packed is not None, "fusable layers have packed projections"
             tensors[name] = linear.packed.tensor
             tensors[f"{name}_bias"] = None if linear.bias is None else linear.bias.data
+            lora = linear.lora
+            assert lora is None or isinstance(lora, LoraStack), f"{name}: unknown adapter product {lora!r}"
+            tensors[f"{name}_lora_a"] = None if lora is None else lora.a
+            tensors[f"{name}_lora_b"] = None if lora is None else lora.b
         fields = {name for name, _ in cpu_kernels.decoder_layer_fields()}
         assert fields == set(tensors), (
             f"the kernel's layer fields {sorted(fields)} differ from {sorted(tensors)}"
@@ -126,6 +131,7 @@ class FusedDecoderLayers(nn.Module):
             ctx.meta.block_tables,
             ctx.meta.cu_seqlens_q,
             ctx.meta.slot_mapping,
+            ctx.lora_slots,
         )
 
 

@@ -28,7 +28,8 @@ from rill.shard.layers.linear import invariant_matmul
 class LoraStack:
     """The adapter slots of one projection (see the module docstring), zero until adapters are put in them;
     `Linear.lora` holds it. Adds the product with `ops.lora_add` where the ops provide it, else the
-    reference."""
+    reference. `a` and `b` are written in place (an adapter copied into its slot), never replaced: the CPU's
+    fused decoder stack keeps pointers to them from when it is built."""
 
     def __init__(
         self,

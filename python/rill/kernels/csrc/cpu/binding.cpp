@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -323,6 +325,59 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   return y;
 }
 
+// One projection's LoRA stacks (lora_add, ops.h): contiguous CPU lora_a [S, num_parts * R, in] and lora_b
+// [S, out, R] of `dtype`. Returns R.
+int64_t check_lora(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype, int64_t in, int64_t out,
+                   int64_t num_parts, const char* what) {
+  for (const auto& [t, name] : {std::pair{&a, "lora_a"}, std::pair{&b, "lora_b"}}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype && t->dim() == 3 && t->is_contiguous(), what,
+                name, " must be a contiguous ", dtype, " CPU tensor [slots, rows, columns], got ", t->scalar_type(),
+                " ", t->sizes());
+  }
+  const int64_t rank = b.size(2);
+  TORCH_CHECK(rank >= 1 && b.size(0) == a.size(0) && b.size(1) == out, what, "lora_b must be [", a.size(0),
+              " slots, ", out, " outputs, R >= 1], got ", b.sizes());
+  TORCH_CHECK(a.size(1) == num_parts * rank && a.size(2) == in, what, "lora_a must be [", a.size(0), " slots, ",
+              num_parts, " parts * R (", rank, "), ", in, " inputs], got ", a.sizes());
+  return rank;
+}
+
+// row_slots: a contiguous CPU int32 [num_rows], each -1 (no adapter) or a slot below num_slots.
+void check_lora_slots(const at::Tensor& row_slots, int64_t num_rows, int64_t num_slots) {
+  TORCH_CHECK(row_slots.device().is_cpu(), "row_slots must be a CPU tensor");
+  rill_binding::check_index_vector(row_slots, num_rows, at::kInt, "row_slots");
+  const int32_t* slots = row_slots.const_data_ptr<int32_t>();
+  for (int64_t r = 0; r < num_rows; ++r) {
+    TORCH_CHECK(slots[r] >= -1 && slots[r] < num_slots, "row_slots[", r, "] = ", slots[r],
+                " is neither -1 nor one of the ", num_slots, " LoRA slots");
+  }
+}
+
+// y [rows, out] += each row's LoRA product (ops.h, lora_add), in place; part_ends ascending, the last = out.
+void lora_add(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, const at::Tensor& row_slots,
+              const std::vector<int64_t>& part_ends) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, in], got ", x.sizes());
+  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == x.scalar_type() && y.dim() == 2 && y.is_contiguous() &&
+                  y.size(0) == x.size(0),
+              "y must be a contiguous [", x.size(0), ", out] of x's dtype ", x.scalar_type(), ", got ",
+              y.scalar_type(), " ", y.sizes());
+  TORCH_CHECK(!part_ends.empty() && part_ends.back() == y.size(1), "part_ends must end at y's ", y.size(1),
+              " outputs");
+  for (size_t p = 0; p < part_ends.size(); ++p) {
+    TORCH_CHECK(part_ends[p] > (p == 0 ? 0 : part_ends[p - 1]), "part_ends must be strictly ascending from > 0");
+  }
+  const auto num_parts = static_cast<int64_t>(part_ends.size());
+  const int64_t rank = check_lora(lora_a, lora_b, x.scalar_type(), x.size(1), y.size(1), num_parts, "");
+  check_lora_slots(row_slots, x.size(0), lora_a.size(0));
+  dispatch_float(x, [&](auto zero) {
+    using T = decltype(zero);
+    rill_cpu::lora_add(ptr<T>(y), ptr<const T>(x), ptr<const T>(lora_a), ptr<const T>(lora_b),
+                       row_slots.const_data_ptr<int32_t>(), x.size(0), x.size(1), rank, part_ends.data(),
+                       num_parts, num_threads());
+  });
+}
+
 // x must be a contiguous float32 CPU matrix [rows, n] with n >= 1.
 void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
@@ -397,6 +452,10 @@ class DecoderStack {
       check_packed(*layer.down, dtype_, hidden_, intermediate_size, "down");
       check_vector(layer.down_bias, hidden_, "down_bias");
       TORCH_CHECK(layer.sliding_window >= 0, "sliding_window must be >= 0");
+      check_lora_pair(layer.qkv_lora_a, layer.qkv_lora_b, hidden_, qkv_size, 3, "qkv_");
+      check_lora_pair(layer.o_proj_lora_a, layer.o_proj_lora_b, q_size, hidden_, 1, "o_proj_");
+      check_lora_pair(layer.gate_up_lora_a, layer.gate_up_lora_b, hidden_, 2 * intermediate_size, 2, "gate_up_");
+      check_lora_pair(layer.down_lora_a, layer.down_lora_b, intermediate_size, hidden_, 1, "down_");
     }
   }
 
@@ -408,7 +467,8 @@ class DecoderStack {
                                              const at::Tensor& positions, const at::Tensor& cos,
                                              const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
                                              const std::vector<at::Tensor>& v_pools, const at::Tensor& block_tables,
-                                             const at::Tensor& cu_seqlens_q, const at::Tensor& slot_mapping) const {
+                                             const at::Tensor& cu_seqlens_q, const at::Tensor& slot_mapping,
+                                             const c10::optional<at::Tensor>& lora_slots) const {
     check_cpu(hidden, "hidden");
     TORCH_CHECK(hidden.scalar_type() == dtype_, "hidden must be ", dtype_, ", got ", hidden.scalar_type());
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_ && hidden.is_contiguous(),
@@ -433,6 +493,7 @@ class DecoderStack {
     TORCH_CHECK(pools.num_kv_heads == num_kv_heads_, "the pools hold ", pools.num_kv_heads, " KV heads, the stack ",
                 num_kv_heads_);
     const at::Tensor slots = checked_slots(slot_mapping, tokens, pools.num_blocks * pools.block_size);
+    if (lora_slots.has_value()) check_lora_slots(*lora_slots, tokens, num_lora_slots_);
     const auto workspace = [&](int64_t width) { return at::empty({tokens, width}, hidden.options()); };
     const at::Tensor out = workspace(hidden_), residual_out = workspace(hidden_);
     if (tokens == 0) return {out, residual_out};
@@ -449,6 +510,11 @@ class DecoderStack {
       layer.k_pool = k_pools[l].data_ptr();
       layer.v_pool = v_pools[l].data_ptr();
       layer.sliding_window = w.sliding_window;
+      const auto rank = [](const c10::optional<at::Tensor>& b) { return b.has_value() ? b->size(2) : 0; };
+      layer.qkv_lora_rank = rank(w.qkv_lora_b);
+      layer.o_proj_lora_rank = rank(w.o_proj_lora_b);
+      layer.gate_up_lora_rank = rank(w.gate_up_lora_b);
+      layer.down_lora_rank = rank(w.down_lora_b);
     }
     rill_cpu::DecoderStackArgs args{};
     args.layers = layers.data();
@@ -462,6 +528,7 @@ class DecoderStack {
     args.cos = cos.data_ptr();
     args.sin = sin.data_ptr();
     args.slots = slots.data_ptr<int64_t>();
+    args.lora_slots = lora_slots.has_value() ? lora_slots->const_data_ptr<int32_t>() : nullptr;
     args.out = out.data_ptr();
     args.residual = residual_out.data_ptr();
     args.qkv_out = qkv.data_ptr();
@@ -481,7 +548,18 @@ class DecoderStack {
   }
 
  private:
+  // A projection's LoRA stacks: both or neither, shaped for it; the slots a call may name are those of every
+  // stack of the run.
+  void check_lora_pair(const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b, int64_t in,
+                       int64_t out, int64_t num_parts, const char* what) {
+    TORCH_CHECK(a.has_value() == b.has_value(), what, "lora_a and ", what, "lora_b must be given together");
+    if (!a.has_value()) return;
+    check_lora(*a, *b, dtype_, in, out, num_parts, what);
+    num_lora_slots_ = std::min(num_lora_slots_, a->size(0));
+  }
+
   std::vector<DecoderLayerWeights> layers_;
+  int64_t num_lora_slots_ = std::numeric_limits<int64_t>::max();  // none without LoRA stacks: any slot is idle
   at::ScalarType dtype_ = at::kFloat;
   int64_t hidden_ = 0;
   int64_t intermediate_;
@@ -508,6 +586,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, release_gil);
   m.def("argmax_rows", &argmax_rows, release_gil);
   m.def("softmax_stats", &softmax_stats, release_gil);
+  m.def("lora_add", &lora_add, release_gil);
   {
     py::class_<DecoderLayerWeights> weights(m, "DecoderLayerWeights");
     weights.def(py::init<>()).def_readwrite("sliding_window", &DecoderLayerWeights::sliding_window);

@@ -15,11 +15,26 @@ T* as(void* p) {
   return static_cast<T*>(p);
 }
 
-// y = x @ w^T (+ bias, added in float32 and rounded to T, as torch adds two tensors of T).
+// A projection's LoRA for this call: its stacks (null: none) and part ends, and the rows' slots (null: none).
+struct Lora {
+  const void* a;
+  const void* b;
+  int64_t rank;
+  const int32_t* slots;
+  int64_t part_ends[3];
+  int64_t num_parts;
+};
+
+// y = x @ w^T, plus each row's LoRA product (lora_add), + bias (added in float32 and rounded to T, as torch adds
+// two tensors of T): the order of Linear.forward.
 template <typename T>
-void project(const T* x, const void* packed, const void* bias, T* y, int64_t m, int64_t k, int64_t n,
-             int num_threads) {
+void project(const T* x, const void* packed, const void* bias, const Lora& lora, T* y, int64_t m, int64_t k,
+             int64_t n, int num_threads) {
   linear(x, as<T>(packed), y, m, k, n, num_threads);
+  if (lora.a != nullptr && lora.slots != nullptr) {
+    lora_add(y, x, as<T>(lora.a), as<T>(lora.b), lora.slots, m, k, lora.rank, lora.part_ends, lora.num_parts,
+             num_threads);
+  }
   if (bias == nullptr) return;
   const T* b = as<T>(bias);
   for (int64_t r = 0; r < m; ++r) {
@@ -62,7 +77,9 @@ void decoder_stack(const DecoderStackArgs& a) {
                             a.rms_norm_eps, threads);
       residual_in = residual;
     }
-    project<T>(normed, layer.qkv, layer.qkv_bias, qkv, tokens, hidden, qkv_size, threads);
+    const Lora qkv_lora{layer.qkv_lora_a, layer.qkv_lora_b, layer.qkv_lora_rank, a.lora_slots,
+                        {q_size, q_size + kv_size, qkv_size}, 3};
+    project<T>(normed, layer.qkv, layer.qkv_bias, qkv_lora, qkv, tokens, hidden, qkv_size, threads);
     rotary_embedding<T>(qkv, qkv_size, attention.num_heads, qkv + q_size, qkv_size, attention.num_kv_heads,
                         as<T>(a.cos), as<T>(a.sin), tokens, head_dim, threads);
     store_kv<T>(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, as<T>(layer.k_pool),
@@ -72,12 +89,19 @@ void decoder_stack(const DecoderStackArgs& a) {
     attention.v_pool = layer.v_pool;
     attention.sliding_window = layer.sliding_window;
     paged_attention<T>(attention);
-    project<T>(attention_out, layer.o_proj, layer.o_proj_bias, layer_out, tokens, q_size, hidden, threads);
+    const Lora o_proj_lora{layer.o_proj_lora_a, layer.o_proj_lora_b, layer.o_proj_lora_rank, a.lora_slots,
+                           {hidden}, 1};
+    project<T>(attention_out, layer.o_proj, layer.o_proj_bias, o_proj_lora, layer_out, tokens, q_size, hidden,
+               threads);
     fused_add_rms_norm<T>(normed, residual, layer_out, residual_in, as<T>(layer.post_norm), tokens, hidden,
                           a.rms_norm_eps, threads);
-    project<T>(normed, layer.gate_up, layer.gate_up_bias, gate_up, tokens, hidden, 2 * inter, threads);
+    const Lora gate_up_lora{layer.gate_up_lora_a, layer.gate_up_lora_b, layer.gate_up_lora_rank, a.lora_slots,
+                            {inter, 2 * inter}, 2};
+    project<T>(normed, layer.gate_up, layer.gate_up_bias, gate_up_lora, gate_up, tokens, hidden, 2 * inter,
+               threads);
     silu_and_mul<T>(activation, gate_up, tokens, inter, threads);
-    project<T>(activation, layer.down, layer.down_bias, layer_out, tokens, inter, hidden, threads);
+    const Lora down_lora{layer.down_lora_a, layer.down_lora_b, layer.down_lora_rank, a.lora_slots, {hidden}, 1};
+    project<T>(activation, layer.down, layer.down_bias, down_lora, layer_out, tokens, inter, hidden, threads);
   }
 }
 

@@ -86,6 +86,15 @@ void pack_linear(const T* w, T* packed, int64_t n, int64_t k);
 template <typename T>
 void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, int num_threads);
 
+// LoRA (lora.cpp): for each row r of x [num_rows, in] whose slot s = row_slots[r] is >= 0, h = lora_a[s] x[r]
+// (lora_a [S, P * R, in], part p's rows [p * R, (p + 1) * R)), then y[r, o] += lora_b[s, o] . h[p * R ..
+// (p + 1) * R) for the outputs o of part p, [part_ends[p - 1], part_ends[p]) (lora_b [S, out, R], out =
+// part_ends[P - 1]). Rows with slot -1 are not touched; slots must be < S. A row's bits depend only on its x and
+// y and its slot's weights (float32 chains in a fixed order; T rounding where the torch reference stores a T).
+template <typename T>
+void lora_add(T* y, const T* x, const T* lora_a, const T* lora_b, const int32_t* row_slots, int64_t num_rows,
+              int64_t in, int64_t rank, const int64_t* part_ends, int64_t num_parts, int num_threads);
+
 // Sampler reductions over float32 rows x [num_rows, n] (rows.cpp). argmax_rows: the index of each row's first
 // maximum, a NaN counting as the maximum (torch's max(dim=-1).indices). softmax_stats: each row's max and the log
 // of its sum of exp(x - max), so that log_softmax(x)[j] = (x[j] - max) - log_sum.
@@ -97,24 +106,37 @@ void softmax_stats(const float* x, int64_t num_rows, int64_t n, float* row_maxes
 // shard hands them over (binding.cpp exports the names as DECODER_LAYER_FIELDS, and rill/kernels/cpu.py builds
 // each layer from them). Norms are [hidden]; projections are packed by pack_linear (qkv [q + k + v features,
 // hidden], o_proj [hidden, num_heads * head_dim], gate_up [2 * intermediate, hidden] with the gate's rows first,
-// down [hidden, intermediate]); optional biases are [out features].
+// down [hidden, intermediate]); optional biases are [out features]; optional LoRA stacks are lora_add's lora_a
+// [S, P * R, in] and lora_b [S, out, R] of a projection (parts: q, k, v; gate, up; one for o_proj and down).
 #define RILL_DECODER_LAYER_WEIGHTS(X) \
   X(input_norm, false)                \
   X(qkv, false)                       \
   X(qkv_bias, true)                   \
+  X(qkv_lora_a, true)                 \
+  X(qkv_lora_b, true)                 \
   X(o_proj, false)                    \
   X(o_proj_bias, true)                \
+  X(o_proj_lora_a, true)              \
+  X(o_proj_lora_b, true)              \
   X(post_norm, false)                 \
   X(gate_up, false)                   \
   X(gate_up_bias, true)               \
+  X(gate_up_lora_a, true)             \
+  X(gate_up_lora_b, true)             \
   X(down, false)                      \
-  X(down_bias, true)
+  X(down_bias, true)                  \
+  X(down_lora_a, true)                \
+  X(down_lora_b, true)
 
-// A layer as the kernels read it (elements of T; an absent bias is null).
+// A layer as the kernels read it (elements of T; an absent bias or LoRA stack is null).
 struct DecoderLayer {
 #define RILL_POINTER_FIELD(name, is_optional) const void* name;
   RILL_DECODER_LAYER_WEIGHTS(RILL_POINTER_FIELD)
 #undef RILL_POINTER_FIELD
+  int64_t qkv_lora_rank;   // R of each projection's LoRA stacks (their lora_b's last dim); 0 without them
+  int64_t o_proj_lora_rank;
+  int64_t gate_up_lora_rank;
+  int64_t down_lora_rank;
   void* k_pool;            // this layer's pools, as for paged_attention
   void* v_pool;
   int64_t sliding_window;  // 0: the layer sees every earlier position
@@ -134,6 +156,7 @@ struct DecoderStackArgs {
   const void* cos;         // [num_tokens, head_dim / 2]
   const void* sin;
   const int64_t* slots;    // [num_tokens], as for store_kv
+  const int32_t* lora_slots;  // [num_tokens], as for lora_add; null: no row has an adapter (no LoRA work)
   // Outputs, [num_tokens, hidden] each: the last layer's output and the residual stream (their sum is the
   // stream leaving the stack, which the model's next norm adds).
   void* out;
