@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import peft
 import pytest
+import safetensors.torch
 import torch
 from rill.shard import distributed
 from rill.shard.batch import ForwardRequest, SequenceChunk
@@ -278,13 +279,37 @@ def test_lora_off(llama_runner: ModelRunner, adapter_dirs: dict[str, Path]) -> N
 def test_phi3_fused_qkv_and_gate_up_match_peft(tmp_path: Path) -> None:
     """Phi-3 checkpoints fuse q/k/v and gate/up: one A per fused module, B split by rows into the parts."""
     model_dir = save_tiny_model(tmp_path / "phi3", "phi3", pad_token_id=0)
-    adapter = save_adapter(model_dir, tmp_path / "adapter", 0, r=8, lora_alpha=16,
-                           target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])  # fmt: skip
+    adapter = save_adapter(
+        model_dir,
+        tmp_path / "adapter",
+        0,
+        r=8,
+        lora_alpha=16,
+        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    )
     runner = lora_runner(model_dir)
     runner.load_adapter(1, adapter)
     expected = peft_logits(model_dir, adapter, PROMPT)[-1]
+    assert (expected - peft_logits(model_dir, None, PROMPT)[-1]).abs().max() > 0.1
     got = logits_of(runner, with_adapter(chunk(1, PROMPT, 0, 1), 1))[0]
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("module", ["block_sparse_moe.experts.0.w1", "block_sparse_moe.gate"])
+def test_moe_experts_and_router_are_not_targets(tmp_path: Path, module: str) -> None:
+    model_dir = save_tiny_model(tmp_path / "mixtral", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    runner = lora_runner(model_dir, max_loras=1)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    out_features = {"block_sparse_moe.experts.0.w1": 128, "block_sparse_moe.gate": 4}[module]
+    key = f"base_model.model.model.layers.0.{module}"
+    safetensors.torch.save_file(
+        {f"{key}.lora_A.weight": torch.ones(4, 64), f"{key}.lora_B.weight": torch.ones(out_features, 4)},
+        adapter / "adapter_model.safetensors",
+    )
+    with pytest.raises(ValueError, match=rf"modifies model.layers.0.{module}, which is not a LoRA target"):
+        runner.load_adapter(1, adapter)
 
 
 # --- the gRPC server ---
@@ -295,9 +320,20 @@ BLOCK_SIZE = 4
 @contextmanager
 def shard_server(model_dir: Path, socket_path: Path, *flags: str) -> Iterator[shard_pb2_grpc.ShardStub]:
     log_path = socket_path.with_suffix(".log")
-    command = [sys.executable, "-m", "rill.shard.server", "--model-id", str(model_dir),
-               "--socket", str(socket_path), "--kv-block-size", str(BLOCK_SIZE), "--num-threads", "1",
-               *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "rill.shard.server",
+        "--model-id",
+        str(model_dir),
+        "--socket",
+        str(socket_path),
+        "--kv-block-size",
+        str(BLOCK_SIZE),
+        "--num-threads",
+        "1",
+        *flags,
+    ]
     process = spawn(command, log_path)
     channel = grpc.insecure_channel(f"unix://{socket_path}")
     try:
@@ -347,8 +383,13 @@ def test_server_loads_adapters_serves_them_and_forgets_unloaded_ones(
         prompt, num_new_tokens = PROMPT[:8], 4
         tokens = [stub.Prefill(prefill_pb(1, prompt, 4)).generations[0].token_id]
         for step in range(num_new_tokens - 1):
-            seq = shard_pb2.SequenceChunk(id=1, token_ids=tokens[-1:], num_computed_tokens=len(prompt) + step,
-                                          block_table=list(range(11, 21)), sample=True)  # fmt: skip
+            seq = shard_pb2.SequenceChunk(
+                id=1,
+                token_ids=tokens[-1:],
+                num_computed_tokens=len(prompt) + step,
+                block_table=list(range(11, 21)),
+                sample=True,
+            )
             tokens.append(stub.Decode(shard_pb2.ForwardRequest(sequences=[seq])).generations[0].token_id)
         assert tokens == peft_greedy(llama_dir, adapter_dirs["qv"], prompt, num_new_tokens)
 
@@ -390,9 +431,15 @@ def test_server_without_lora_refuses_adapters(
 
 def _rank_main(rank: int, model_dir: str, adapter_dir: str, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    config = ShardConfig(model_path=Path(model_dir), socket_path=Path(out_dir) / f"unused-{rank}.sock",
-                         block_size=4, rank=rank, world_size=2, dist_init_method=f"file://{init_file}",
-                         max_loras=2)  # fmt: skip
+    config = ShardConfig(
+        model_path=Path(model_dir),
+        socket_path=Path(out_dir) / f"unused-{rank}.sock",
+        block_size=4,
+        rank=rank,
+        world_size=2,
+        dist_init_method=f"file://{init_file}",
+        max_loras=2,
+    )
     runner = ModelRunner(config)
     runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=1024)
     runner.load_adapter(1, Path(adapter_dir))
