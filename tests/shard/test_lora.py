@@ -1,7 +1,8 @@
 """LoRA adapters on the shard (rill/shard/lora.py) against PEFT, the library whose format Rill serves.
 
-Tiny random Llama (and Phi-3) checkpoints get adapters made by `peft` with random A and B
-(`init_lora_weights=False`), saved with `save_pretrained`; `PeftModel` on the same checkpoint is the oracle.
+Tiny random Llama (and Phi-3, Qwen2, Qwen3, Gemma 2) checkpoints get adapters made by `peft` with random A
+and B (`init_lora_weights=False`), saved with `save_pretrained`; `PeftModel` on the same checkpoint is the
+oracle.
 A batch that mixes adapters and base rows, and a few slots cycled through more adapters than they hold, must
 give every sequence bitwise what it gets alone.
 """
@@ -276,16 +277,21 @@ def test_lora_off(llama_runner: ModelRunner, adapter_dirs: dict[str, Path]) -> N
         logits_of(llama_runner, with_adapter(chunk(1, [3], 0, 1), 1))
 
 
-def test_phi3_fused_qkv_and_gate_up_match_peft(tmp_path: Path) -> None:
-    """Phi-3 checkpoints fuse q/k/v and gate/up: one A per fused module, B split by rows into the parts."""
-    model_dir = save_tiny_model(tmp_path / "phi3", "phi3", pad_token_id=0)
+FAMILIES: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    # Fused q/k/v and gate/up in the checkpoint: one A per fused module, B split by rows into the parts.
+    "phi3": ("phi3", {"pad_token_id": 0}, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    "qwen2-qkv-bias": ("qwen2", {}, ALL_PROJECTIONS),  # the adapter's product comes before the bias
+    "qwen3-head-norms": ("qwen3", {"head_dim": 32}, ALL_PROJECTIONS),
+    "gemma2-geglu": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24}, ALL_PROJECTIONS),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_match_peft(tmp_path: Path, family: str) -> None:
+    model_type, overrides, target_modules = FAMILIES[family]
+    model_dir = save_tiny_model(tmp_path / family, model_type, **overrides)
     adapter = save_adapter(
-        model_dir,
-        tmp_path / "adapter",
-        0,
-        r=8,
-        lora_alpha=16,
-        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+        model_dir, tmp_path / "adapter", 0, r=8, lora_alpha=16, target_modules=target_modules
     )
     runner = lora_runner(model_dir)
     runner.load_adapter(1, adapter)
