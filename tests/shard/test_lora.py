@@ -14,6 +14,7 @@ import json
 import multiprocessing
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -407,6 +408,16 @@ def test_server_loads_adapters_serves_them_and_forgets_unloaded_ones(
                 stub.LoadAdapter(request)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in error.value.details()
+        # Adapters load while forwards run (the router does not wait): every call gets its own answer.
+        alone = stub.Prefill(prefill_pb(2, prompt, 5)).generations[0]
+        with ThreadPoolExecutor(4) as pool:
+            forwards = [pool.submit(stub.Prefill, prefill_pb(2, prompt, 5)) for _ in range(3)]
+            loads = [
+                pool.submit(stub.LoadAdapter, shard_pb2.LoadAdapterRequest(adapter_id=i, path=str(folder)))
+                for i, folder in [(7, adapter_dirs["rslora"]), (8, adapter_dirs["all"])]
+            ]
+            assert all(forward.result().generations[0] == alone for forward in forwards)
+            assert [load.result().rank for load in loads] == [8, 8]
         # Unloaded with the next call: that call runs, a later one naming the adapter is refused.
         stub.Prefill(prefill_pb(2, prompt, 5, unloaded_adapter_ids=[4], released_ids=[1]))
         with pytest.raises(grpc.RpcError) as error:
