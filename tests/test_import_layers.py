@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("rill.shard.config", "rill.shard.kv_cache", "rill.shard.batch"),
     ("rill.shard.layers",),
-    ("rill.shard.models", "rill.shard.weights"),
+    ("rill.shard.models", "rill.shard.weights", "rill.shard.lora"),
     ("rill.shard.cuda_graphs", "rill.convert"),  # built on the models (the converter checks the registry)
     ("rill.shard.runner",),
     ("rill.shard.server",),

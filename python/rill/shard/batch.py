@@ -28,6 +28,8 @@ class SequenceChunk:
     cached_token_ids: list[int] = field(default_factory=list)
     # With sample, under a grammar: the tokens allowed next, as 32-bit words (empty: all allowed).
     allowed_token_bitmask: list[int] = field(default_factory=list)
+    # Sent with params only: the LoRA adapter the sequence runs with (an id LoadAdapter loaded; 0 = none).
+    adapter_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class ForwardRequest:
     # Executed before the forward: swap_out first (device -> host), then swap_in (host -> device).
     swap_out: list[BlockCopy] = field(default_factory=list)
     swap_in: list[BlockCopy] = field(default_factory=list)
+    # LoRA adapters the router unloaded: freed before the call runs.
+    unloaded_adapter_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ def _validate(
         raise ValueError(f"{where}: id appears more than once in the call")
     if seq.params is None and seq.id not in known_ids:
         raise ValueError(f"{where}: params missing, and the shard has none stored for this id")
+    if seq.adapter_id and seq.params is None:
+        raise ValueError(f"{where}: adapter_id sent without params (it comes with them, once)")
     if seq.params is not None:
         try:
             seq.params.validate(limits.vocab_size)

@@ -33,6 +33,8 @@ class ShardConfig:
     OpenTelemetry collector the server sends its `forward` spans to (rill/shard/telemetry.py).
     `cgroup_root` is where the cgroup hierarchy is mounted: the pools are sized within the memory limits
     found there (rill/shard/memory.py; tests point it at a fake one).
+    `max_loras` is the number of LoRA adapter slots on the device, the most distinct adapters one forward may
+    use (0: LoRA off), and `max_lora_rank` the largest adapter rank they hold (rill/shard/lora.py).
     """
 
     model_path: Path
@@ -48,6 +50,8 @@ class ShardConfig:
     cuda_graph_max_batch_size: int = 256
     otlp_endpoint: str | None = None
     cgroup_root: Path = CGROUP_ROOT
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -72,6 +76,10 @@ class ShardConfig:
             )
         if self.cuda_graph_max_batch_size < 0:
             raise ValueError(f"cuda_graph_max_batch_size must be >= 0, got {self.cuda_graph_max_batch_size}")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

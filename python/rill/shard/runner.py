@@ -1,9 +1,11 @@
 """`ModelRunner`: owns the model, the KV pool and per-sequence sampling params; prepare -> forward -> sample.
 
 Lifecycle: load (constructor) -> `warmup` once (sizes and allocates the pool) -> `forward` per router call.
-Per-sequence state is the `SamplingParams` and, for sequences with a penalty, the `TokenHistory`, kept by id
-from the first call that sends the params until the id is named in `released_ids` (or ClearCache); the KV
-blocks and block tables belong to the router.
+Per-sequence state is the `SamplingParams`, the LoRA adapter id sent with them and, for sequences with a
+penalty, the `TokenHistory`, kept by id from the first call that sends the params until the id is named in
+`released_ids` (or ClearCache); the KV blocks and block tables belong to the router. With `--max-loras` > 0
+the runner keeps the loaded adapters (`rill.shard.lora`) and puts each call's adapters in the device slots
+before its forward.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,10 +38,11 @@ from rill.shard.kv_cache import KVCache
 from rill.shard.layers.attention import ForwardContext, forward_context
 from rill.shard.layers.backend import install_ops, unsupported_reasons
 from rill.shard.layers.decoder_stack import fuse_decoder_layers
+from rill.shard.lora import HostAdapter, LoraAdapters, enable_lora
 from rill.shard.memory import available_host_memory
 from rill.shard.models.registry import eos_token_ids, get_model_class, load_hf_config
 from rill.shard.sampling import SamplingBatch, SamplingParams, sample
-from rill.shard.weights import load_weights
+from rill.shard.weights import checkpoint_shapes, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,10 @@ class NotReadyError(RuntimeError):
     """A forward was asked for before `warmup` allocated the KV pool."""
 
 
+class LoraOffError(RuntimeError):
+    """An adapter was to be loaded on a shard started without LoRA slots."""
+
+
 class ModelRunner:
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
@@ -109,13 +117,22 @@ class ModelRunner:
         self.num_params = sum(p.numel() for p in self.model.parameters())  # before the kernels repack any
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
         self.kv_cache: KVCache | None = None
+        # The slot stacks exist before the ops are installed (the projections hand them the ops) and before
+        # the KV pool is sized (its accounting sees their memory).
+        self.adapters: LoraAdapters | None = None
+        if config.max_loras:
+            shapes = checkpoint_shapes(config.model_path)
+            self.adapters = enable_lora(self.model, config.max_loras, config.max_lora_rank, shapes)
         self.ops = self._choose_ops()
         install_ops(self.model, self.ops)
-        num_fused = fuse_decoder_layers(self.model, self.ops)
-        if num_fused:
-            logger.info("%d decoder layers run as one kernel call per run of layers", num_fused)
+        # The fused CPU stack applies adapters only through the ops' lora_add; without it layers run apart.
+        if self.adapters is None or (self.ops is not None and self.ops.provides("lora_add")):
+            num_fused = fuse_decoder_layers(self.model, self.ops)
+            if num_fused:
+                logger.info("%d decoder layers run as one kernel call per run of layers", num_fused)
         self.decode_graphs: DecodeGraphs | None = None
         self.params_by_id: dict[int, SamplingParams] = {}
+        self.adapter_by_id: dict[int, int] = {}  # sequences that run with an adapter
         self.history = TokenHistory()
         logger.info(
             "loaded %s (%s, %.1fM parameters) from %s on %s as %s",
@@ -341,7 +358,10 @@ class ModelRunner:
             raise NotReadyError("Warmup must be called before Prefill or Decode")
         for seq_id in request.released_ids:
             self.params_by_id.pop(seq_id, None)
+            self.adapter_by_id.pop(seq_id, None)
             self.history.release(seq_id)
+        if self.adapters is not None:
+            self.adapters.unload(request.unloaded_adapter_ids)
         # Swapped-out blocks leave before anything overwrites them; swapped-in ones arrive before the forward.
         self.kv_cache.swap_out(
             [c.device_block for c in request.swap_out], [c.host_block for c in request.swap_out]
@@ -401,12 +421,19 @@ class ModelRunner:
             kv_window=self.kv_window,
         )
         batch = BatchState.prepare(request.sequences, self.params_by_id, limits, self.device)
+        adapter_ids = self._adapter_ids(request.sequences)
+        lora_slots = self._lora_slots(request.sequences, adapter_ids)
         self.history.record(request.sequences, self.params_by_id)
         for seq in request.sequences:
             if seq.params is not None:
                 self.params_by_id[seq.id] = seq.params
+                if seq.adapter_id:
+                    self.adapter_by_id[seq.id] = seq.adapter_id
+                else:
+                    self.adapter_by_id.pop(seq.id, None)
         start = time.perf_counter()
-        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        # A decode graph holds no adapter product: steps with adapters run eagerly.
+        if self.decode_graphs is not None and lora_slots is None and self.decode_graphs.can_run(batch):
             hidden = self.decode_graphs.run(batch)
         else:
             meta = AttentionMetadata.build(
@@ -416,16 +443,52 @@ class ModelRunner:
                 batch.slot_mapping,
                 batch.positions,
             )
-            with forward_context(ForwardContext(self.kv_cache, meta)):
+            with forward_context(ForwardContext(self.kv_cache, meta, lora_slots)):
                 hidden = self.model(batch.input_ids, batch.positions)
         logits = self.model.compute_logits(hidden[batch.sample_rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return batch, logits, time.perf_counter() - start
 
+    def _adapter_ids(self, sequences: list[SequenceChunk]) -> list[int]:
+        """Each sequence's adapter id (0: the base model), checked to be loaded."""
+        adapter_ids = []
+        for seq in sequences:
+            adapter_id = seq.adapter_id if seq.params is not None else self.adapter_by_id.get(seq.id, 0)
+            if adapter_id and (self.adapters is None or not self.adapters.is_loaded(adapter_id)):
+                off = " (LoRA is off: --max-loras 0)" if self.adapters is None else ""
+                raise ValueError(
+                    f"sequence {seq.id}: adapter_id {adapter_id} is not loaded on the shard{off}"
+                )
+            adapter_ids.append(adapter_id)
+        return adapter_ids
+
+    def _lora_slots(self, sequences: list[SequenceChunk], adapter_ids: list[int]) -> torch.Tensor | None:
+        """Puts the call's adapters in the device slots; each token row's slot (-1: base), None when no
+        sequence has an adapter."""
+        if self.adapters is None or not any(adapter_ids):
+            return None
+        slots = self.adapters.assign_slots(set(adapter_ids) - {0})
+        row_slots = [
+            slots.get(adapter_id, -1)
+            for seq, adapter_id in zip(sequences, adapter_ids, strict=True)
+            for _ in seq.token_ids
+        ]
+        return torch.tensor(row_slots, dtype=torch.int32, device=self.device)
+
+    def load_adapter(self, adapter_id: int, path: Path) -> HostAdapter:
+        """Reads a PEFT LoRA adapter folder into host memory under `adapter_id` (ValueError: a folder this
+        shard cannot serve)."""
+        if self.adapters is None:
+            raise LoraOffError(
+                "LoRA is off on this shard: start it with --max-loras N (N > 0) to load adapters"
+            )
+        return self.adapters.load(adapter_id, path)
+
     def clear(self) -> None:
         """Forgets every sequence (the pool's contents are the router's business and stay allocated)."""
         self.params_by_id.clear()
+        self.adapter_by_id.clear()
         self.history.clear()
 
     def health(self) -> None:

@@ -1,12 +1,12 @@
 """The shard's gRPC server: converts protobuf to internal types, calls the ModelRunner, converts back.
 
 Run:  python -m rill.shard.server --model-id PATH --socket /tmp/rill-shard-0.sock [--device cpu]
-      [--dtype float32]
+      [--dtype float32] [--max-loras N [--max-lora-rank R]]
       (tensor parallelism: one process per rank, each with --rank R --world-size N --dist-init-method URL;
       the launcher's --num-shard N does this)
-The model is loaded, warmed up and run on one thread of its own (`ModelThread`), one call at a time, so the
-event loop keeps answering Health. A ValueError from the runner (bad input) becomes INVALID_ARGUMENT with its
-message; the server then carries on.
+The model is loaded, warmed up and run, and LoRA adapters are read, on one thread of its own (`ModelThread`),
+one call at a time, so the event loop keeps answering Health. A ValueError from the runner (bad input) becomes
+INVALID_ARGUMENT with its message; the server then carries on.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rill.shard.batch import BlockCopy, ForwardRequest, Generation, SequenceChun
 from rill.shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ShardConfig
 from rill.shard.memory import CGROUP_ROOT
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
-from rill.shard.runner import ModelRunner, NotReadyError
+from rill.shard.runner import LoraOffError, ModelRunner, NotReadyError
 from rill.shard.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,11 +73,13 @@ def forward_request_from_pb(request: shard_pb2.ForwardRequest) -> ForwardRequest
                 params=sampling_params_from_pb(seq.params) if seq.HasField("params") else None,
                 cached_token_ids=list(seq.cached_token_ids),
                 allowed_token_bitmask=list(seq.allowed_token_bitmask),
+                adapter_id=seq.adapter_id,
             )
             for seq in request.sequences
         ],
         swap_out=[BlockCopy(c.device_block, c.host_block) for c in request.swap_out],
         swap_in=[BlockCopy(c.device_block, c.host_block) for c in request.swap_in],
+        unloaded_adapter_ids=list(request.unloaded_adapter_ids),
     )
 
 
@@ -122,7 +124,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 return await self.model_thread.run(fn)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            except NotReadyError as error:
+            except (NotReadyError, LoraOffError) as error:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
             except Exception:
                 # A shard bug or device failure: log the traceback here, tell the router only that it failed.
@@ -145,6 +147,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             world_size=runner.config.world_size,
             architecture=type(runner.model).__name__,
             sliding_windows=list(runner.model_config.layer_windows),
+            max_loras=runner.config.max_loras,
+            max_lora_rank=runner.config.max_lora_rank,
         )
 
     async def Health(
@@ -212,6 +216,15 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "Decode: every sequence must carry exactly one token"
             )
         return await self._traced_forward("Decode", request, context)
+
+    async def LoadAdapter(
+        self, request: shard_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.LoadAdapterResponse:
+        # On the model thread like a forward (between two of them), so reading never races a slot copy.
+        adapter = await self._call(
+            context, lambda: self.runner.load_adapter(request.adapter_id, Path(request.path))
+        )
+        return shard_pb2.LoadAdapterResponse(rank=adapter.rank, target_modules=adapter.target_modules)
 
     async def ClearCache(
         self, request: shard_pb2.ClearCacheRequest, context: grpc.aio.ServicerContext
@@ -323,6 +336,19 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         default=CGROUP_ROOT,
         help=f"where cgroups are mounted; their memory limits bound the pools (default: {CGROUP_ROOT})",
     )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="LoRA adapter slots on the device: the most distinct adapters one forward may use; 0 = LoRA off "
+        "(default: 0)",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the largest LoRA adapter rank the slots hold (default: 16)",
+    )
     args = parser.parse_args(argv)
     try:
         config = ShardConfig(
@@ -339,6 +365,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             cuda_graph_max_batch_size=args.cuda_graph_max_batch_size,
             otlp_endpoint=args.otlp_endpoint,
             cgroup_root=args.cgroup_root,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )
     except ValueError as error:
         parser.error(str(error))

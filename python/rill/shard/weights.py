@@ -84,8 +84,6 @@ def load_weights(model: CheckpointLayout, model_path: Path) -> None:
     """Copies every tensor of the checkpoint's files into `model`; fails if a parameter stays unloaded."""
     files = checkpoint_files(model_path)
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed, fused = model.packed_modules_mapping, model.fused_checkpoint_parts
-    resolve = model.resolve_checkpoint_name
     names_per_file: list[tuple[Path, list[str]]] = []
     for file in files:
         with safe_open(file, framework="pt") as f:
@@ -99,14 +97,13 @@ def load_weights(model: CheckpointLayout, model_path: Path) -> None:
                     progress.update(1)
                     if name.endswith(_IGNORED_SUFFIXES):
                         continue
-                    target, shard_id = resolve(name) or _resolve(name, packed)
+                    target, shard_id, parts = checkpoint_target(model, name)
                     if target not in params:
                         raise ValueError(
                             f"checkpoint tensor {name!r} ({file.name}) has no parameter in the model"
                         )
                     param = params[target]
                     loader = getattr(param, "weight_loader", None)
-                    parts = _fused_parts(target, fused)
                     if parts:
                         _load_fused(param, f.get_slice(name), parts)
                     elif loader is not None:
@@ -121,6 +118,22 @@ def load_weights(model: CheckpointLayout, model_path: Path) -> None:
     if missing:
         raise ValueError(f"checkpoint in {model_path} lacks tensors for parameters: {missing}")
     logger.info("loaded %d tensors from %d safetensors file(s)", num_tensors, len(files))
+
+
+def checkpoint_target(model: CheckpointLayout, name: str) -> tuple[str, object, list[tuple[object, int]]]:
+    """Where a checkpoint tensor goes (the layout's mappings, see `CheckpointLayout`): our parameter's name,
+    the part of it (None: all of it), and for a fused checkpoint tensor its parts in row order (else [])."""
+    target, shard_id = model.resolve_checkpoint_name(name) or _resolve(name, model.packed_modules_mapping)
+    return target, shard_id, _fused_parts(target, model.fused_checkpoint_parts)
+
+
+def checkpoint_shapes(model_path: Path) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's name and full shape, read from the files' headers (no tensor data)."""
+    shapes = {}
+    for file in checkpoint_files(model_path):
+        with safe_open(file, framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
 
 
 def _fused_parts(target: str, fused: dict[str, list[tuple[object, int]]]) -> list[tuple[object, int]]:
