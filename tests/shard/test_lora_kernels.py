@@ -12,7 +12,6 @@ they were; on the CPU also 1 and 2 threads, and the fused decoder stack against 
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -20,16 +19,14 @@ import pytest
 import torch
 from rill.kernels import cpu, gpu
 from rill.kernels.ops import KernelOps
-from rill.shard import runner as runner_module
-from rill.shard.layers.attention import ForwardContext
-from rill.shard.layers.decoder_stack import StackLayer, fuse_decoder_layers
-from rill.shard.layers.lora import LoraStack, lora_add_reference
+from rill.shard.layers.lora import lora_add_reference
 from rill.shard.runner import ModelRunner
 
 from bench.kernel_cases import max_relative_error
 
 from .conftest import chunk, logits_of, make_runner, save_tiny_model
 from .test_decoder_stack import MODELS, fused_runs, unfuse
+from .test_lora import lora_runner, save_adapter, with_adapter
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 OPS: dict[str, KernelOps] = {"cpu": cpu.CpuOps(), "triton": gpu.GpuOps()}
@@ -167,110 +164,72 @@ def test_cpu_lora_add_refuses_what_does_not_fit() -> None:
 # --- the decoder stack with LoRA --------------------------------------------------------------------------
 
 NUM_SLOTS, RANK = 4, 8
-
-
-def give_adapters(runner: ModelRunner, seed: int) -> None:
-    """Unfuses the runner's layers and gives each projection LoRA stacks with random adapters (on the ops the
-    projection has)."""
-    unfuse(runner)
-    for index, layer in enumerate(runner.model.model.layers):
-        parts: StackLayer = layer.block_parts()
-        q_size = parts.attention.num_heads * parts.attention.head_dim
-        kv_size = parts.attention.num_kv_heads * parts.attention.head_dim
-        inter = parts.down.packed.in_features
-        ends = {
-            "qkv": (q_size, q_size + kv_size, q_size + 2 * kv_size),
-            "o_proj": (parts.o_proj.packed.out_features,),
-            "gate_up": (inter, 2 * inter),
-            "down": (parts.down.packed.out_features,),
-        }
-        for number, (name, part_ends) in enumerate(ends.items()):
-            linear = getattr(parts, name)
-            dtype = linear.packed.tensor.dtype
-            stack = LoraStack(
-                NUM_SLOTS, RANK, linear.packed.in_features, part_ends, dtype, torch.device("cpu")
-            )
-            a, b = adapters(
-                NUM_SLOTS, RANK, linear.packed.in_features, part_ends, seed + 10 * index + number, dtype
-            )
-            stack.a.copy_(a)
-            stack.b.copy_(b.mul_(0.5))
-            linear.lora = stack
-            stack.use_ops(linear.ops)
-
-
-def logits_with_slots(
-    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, slots: list[int] | None, *sequences
-) -> torch.Tensor:
-    """The runner's logits with `slots` (one per token, or None) as the forward's lora_slots."""
-    lora_slots = None if slots is None else torch.tensor(slots, dtype=torch.int32)
-    with monkeypatch.context() as patch:
-        patch.setattr(
-            runner_module, "ForwardContext", functools.partial(_context_with_slots, lora_slots=lora_slots)
-        )
-        return logits_of(runner, *sequences)
-
-
-def _context_with_slots(kv_cache, meta, *, lora_slots, **_) -> ForwardContext:
-    return ForwardContext(kv_cache, meta, lora_slots=lora_slots)
-
-
 PROMPT = [(7 * i + 3) % 300 for i in range(30)]
 OTHER = [(11 * i + 5) % 300 for i in range(13)]
 
 
-def three_calls(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
-    """A prefill with slot 1 beside a base one, a chunk with slot 1 beside a decode row with slot 3, two
-    decode rows (slots 1 and -1), then a base-only call (no lora_slots)."""
+def adapter_runner(path: Path, adapter_dirs: list[Path]) -> ModelRunner:
+    """A runner on the CPU kernels with the PEFT adapters in `adapter_dirs` loaded as ids 1, 2, ..."""
+    runner = lora_runner(path, attention_backend="cpu", max_loras=NUM_SLOTS, max_lora_rank=RANK)
+    for adapter_id, folder in enumerate(adapter_dirs, start=1):
+        runner.load_adapter(adapter_id, folder)
+    return runner
+
+
+def three_calls(runner: ModelRunner, adapters: bool = True) -> list[torch.Tensor]:
+    """Sequence 1 runs adapter 1, sequence 2 the base model, sequence 3 adapter 2 (all the base model without
+    `adapters`): a prefill of 1 beside one of 2, a chunk of 1 beside the prefill of 3, decode rows of 1 and
+    2, then a base-only call (no slots)."""
+    first, second = (1, 2) if adapters else (0, 0)
     return [
-        logits_with_slots(
+        logits_of(
             runner,
-            monkeypatch,
-            [1] * 20 + [-1] * len(OTHER),
-            chunk(1, PROMPT[:20], 0, first_block=1),
+            with_adapter(chunk(1, PROMPT[:20], 0, first_block=1), first),
             chunk(2, OTHER, 0, first_block=20),
         ),
-        logits_with_slots(
+        logits_of(
             runner,
-            monkeypatch,
-            [1] * 10 + [3],
-            chunk(1, PROMPT[20:], 20, first_block=1),
-            chunk(2, [5], len(OTHER), first_block=20),
+            chunk(1, PROMPT[20:], 20, first_block=1, params=None),
+            with_adapter(chunk(3, OTHER[:7], 0, first_block=40), second),
         ),
-        logits_with_slots(
+        logits_of(
             runner,
-            monkeypatch,
-            [1, -1],
-            chunk(1, [9], len(PROMPT), first_block=1),
-            chunk(2, [6], len(OTHER) + 1, first_block=20),
+            chunk(1, [9], len(PROMPT), first_block=1, params=None),
+            chunk(2, [6], len(OTHER), first_block=20, params=None),
         ),
-        logits_with_slots(runner, monkeypatch, None, chunk(2, [7], len(OTHER) + 2, first_block=20)),
+        logits_of(runner, chunk(2, [7], len(OTHER) + 1, first_block=20, params=None)),
     ]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_stack_with_lora_is_bitwise_the_layer_modules(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
-) -> None:
+def test_stack_with_lora_is_bitwise_the_layer_modules(tmp_path: Path, name: str) -> None:
     model_type, overrides = MODELS[name]
     path = save_tiny_model(tmp_path / name, model_type=model_type, **overrides)
-    runners = [make_runner(path, attention_backend="cpu") for _ in range(3)]
-    for runner in runners[:2]:
-        give_adapters(runner, seed=5)
-    assert fuse_decoder_layers(runners[0].model, runners[0].ops) > 0 and len(fused_runs(runners[0])) == 1
-    assert not fused_runs(runners[1])
-    with_stack, with_modules, without_lora = (three_calls(runner, monkeypatch) for runner in runners)
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    folders = [
+        save_adapter(path, tmp_path / "all", seed=1, r=RANK, lora_alpha=16, target_modules=every),
+        save_adapter(path, tmp_path / "mlp", seed=2, r=3, lora_alpha=4, target_modules=every[4:]),
+    ]
+    runners = [adapter_runner(path, folders) for _ in range(2)]
+    assert len(fused_runs(runners[0])) == 1, "the adapters' stacks fuse with their layers"
+    unfuse(runners[1])
+    without_lora = make_runner(path, attention_backend="cpu")
+    with_stack, with_modules = (three_calls(runner) for runner in runners)
+    base = three_calls(without_lora, adapters=False)
     for call, (a, b) in enumerate(zip(with_stack, with_modules, strict=True)):
         assert torch.equal(a, b), f"call {call}: max diff {(a - b).abs().max().item()}"
-    # The adapters change the rows that use them, and only those (sequence 2's prefill, with no adapter).
-    assert not torch.equal(with_stack[0][0], without_lora[0][0])
-    assert not torch.equal(with_stack[1][1], without_lora[1][1])
-    assert torch.equal(with_stack[0][1], without_lora[0][1])
+    # The adapters change the rows that use them, and only those (sequence 2 runs the base model).
+    assert not torch.equal(with_stack[0][0], base[0][0])
+    assert not torch.equal(with_stack[1][1], base[1][1])
+    assert torch.equal(with_stack[0][1], base[0][1]) and torch.equal(with_stack[3], base[3])
 
 
 def test_stack_refuses_lora_that_does_not_fit(tmp_path: Path) -> None:
-    runner = make_runner(save_tiny_model(tmp_path / "llama"), attention_backend="cpu")
-    give_adapters(runner, seed=6)
+    path = save_tiny_model(tmp_path / "llama")
+    runner = adapter_runner(
+        path, [save_adapter(path, tmp_path / "qv", seed=6, target_modules=["q_proj", "v_proj"])]
+    )
+    unfuse(runner)
     parts = [layer.block_parts() for layer in runner.model.model.layers]
     weights = [p.weights() for p in parts]
     shapes = dict(

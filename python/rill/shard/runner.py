@@ -125,11 +125,9 @@ class ModelRunner:
             self.adapters = enable_lora(self.model, config.max_loras, config.max_lora_rank, shapes)
         self.ops = self._choose_ops()
         install_ops(self.model, self.ops)
-        # The fused CPU stack applies adapters only through the ops' lora_add; without it layers run apart.
-        if self.adapters is None or (self.ops is not None and self.ops.provides("lora_add")):
-            num_fused = fuse_decoder_layers(self.model, self.ops)
-            if num_fused:
-                logger.info("%d decoder layers run as one kernel call per run of layers", num_fused)
+        num_fused = fuse_decoder_layers(self.model, self.ops)  # adapters included: the stack applies them
+        if num_fused:
+            logger.info("%d decoder layers run as one kernel call per run of layers", num_fused)
         self.decode_graphs: DecodeGraphs | None = None
         self.params_by_id: dict[int, SamplingParams] = {}
         self.adapter_by_id: dict[int, int] = {}  # sequences that run with an adapter
