@@ -44,6 +44,7 @@ impl EngineCore {
                 params: Some(pb::SamplingParams::default()),
                 cached_token_ids: Vec::new(),
                 allowed_token_bitmask: Vec::new(),
+                adapter_id: 0,
             }]);
             let started = Instant::now();
             let result = self.shards.forward(request, num_tokens == 1).await;
@@ -74,6 +75,10 @@ impl EngineCore {
             }
             match self.shards.warmup(self.warmup).await {
                 Ok(warmup) => {
+                    if let Err(e) = self.adapters.reload(&*self.shards).await {
+                        tracing::warn!(error = %e, "loading the LoRA adapters after a shard restart failed; retrying");
+                        continue;
+                    }
                     for seq in self.queues.waiting.iter_mut() {
                         let blocks = seq.reset_kv();
                         debug_assert!(blocks.is_empty(), "waiting sequences hold no blocks");

@@ -126,7 +126,7 @@ pub struct NewRequest {
 pub struct EngineHandle {
     inbox: mpsc::UnboundedSender<NewRequest>,
     next_id: Arc<AtomicU64>,
-    /// For health checks only; the engine task alone drives the shards.
+    /// For health checks and LoRA loads only; the engine task alone drives forward passes.
     shards: Arc<dyn ShardClient>,
     pub metrics: Arc<Metrics>,
     /// `--max-unread-tokens`: the token events each request's channel holds.
@@ -151,6 +151,11 @@ impl EngineHandle {
             max_unread_tokens,
             stats,
         }
+    }
+
+    /// The shards, for the calls made outside the engine loop (health checks, loading LoRA adapters).
+    pub fn shards(&self) -> Arc<dyn ShardClient> {
+        self.shards.clone()
     }
 
     /// The engine's state as of its latest step (or idle moment).
