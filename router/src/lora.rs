@@ -20,7 +20,8 @@
 //! that call or a later one can name it.
 //!
 //! `LoraRegistry` is the plain data (tested alone); `Adapters` shares it between the HTTP handlers and the
-//! engine task behind a mutex held only for a map operation.
+//! engine task behind a mutex held only for a map operation. The calls to the shards are their callers'
+//! (`http::lora` loads, the engine loads again after a shard restart): this module does no I/O.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -30,8 +31,6 @@ use std::{
 
 use thiserror::Error;
 
-use crate::shard::{pb, ShardClient, ShardError};
-
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum LoraError {
     #[error("The lora adapter `{0}` has already been loaded.")]
@@ -40,20 +39,6 @@ pub enum LoraError {
     Unknown(String),
     #[error("`lora_name` must be a non-empty name other than the base model's (`{0}`)")]
     InvalidName(String),
-}
-
-/// Why an adapter could not be loaded.
-#[derive(Debug, Error)]
-pub enum LoadError {
-    #[error("{0}")]
-    Registry(#[from] LoraError),
-    /// A shard refused the folder (the message says why) or failed.
-    #[error("loading the lora adapter `{name}` from {path} failed: {error}")]
-    Shard {
-        name: String,
-        path: String,
-        error: ShardError,
-    },
 }
 
 /// A ready (or draining) adapter.
@@ -174,7 +159,7 @@ impl LoraRegistry {
 
     /// Every adapter the shards must hold: ready and draining ones. The shards hold exactly these (after a
     /// restart, once they are loaded again), so no id waits to be unloaded any more.
-    fn take_loaded(&mut self) -> Vec<AdapterInfo> {
+    pub fn take_loaded(&mut self) -> Vec<AdapterInfo> {
         self.unloaded.clear();
         self.entries.values().map(|entry| entry.info.clone()).collect()
     }
@@ -251,45 +236,23 @@ impl Adapters {
         })
     }
 
-    /// Loads the PEFT folder `path` on every shard as adapter `name`; requests may name it once this
-    /// returns Ok. `base_name` (the served model's name) is not available as an adapter name.
-    pub async fn load(
-        &self,
-        shards: &dyn ShardClient,
-        name: &str,
-        path: &str,
-        base_name: &str,
-    ) -> Result<AdapterInfo, LoadError> {
+    /// Reserves `name` for a load (see `LoraRegistry::reserve`) and gives its id; `base_name` (the served
+    /// model's name) is not available as an adapter name.
+    pub fn reserve(&self, name: &str, base_name: &str) -> Result<u32, LoraError> {
         if name.is_empty() || name == base_name {
-            return Err(LoraError::InvalidName(base_name.into()).into());
+            return Err(LoraError::InvalidName(base_name.into()));
         }
-        let id = lock(&self.registry).reserve(name)?;
-        let request = pb::LoadAdapterRequest {
-            adapter_id: id,
-            path: path.into(),
-        };
-        match shards.load_adapter(request).await {
-            Ok(loaded) => {
-                let info = AdapterInfo {
-                    id,
-                    name: name.into(),
-                    path: path.into(),
-                    rank: loaded.rank,
-                    target_modules: loaded.target_modules,
-                    created: unix_s(),
-                };
-                lock(&self.registry).complete(info.clone());
-                Ok(info)
-            }
-            Err(error) => {
-                lock(&self.registry).cancel(name);
-                Err(LoadError::Shard {
-                    name: name.into(),
-                    path: path.into(),
-                    error,
-                })
-            }
-        }
+        lock(&self.registry).reserve(name)
+    }
+
+    /// The shards loaded a reserved adapter: requests may name it from now on.
+    pub fn complete(&self, info: AdapterInfo) {
+        lock(&self.registry).complete(info);
+    }
+
+    /// The load of reserved `name` failed: the name is free again.
+    pub fn cancel(&self, name: &str) {
+        lock(&self.registry).cancel(name);
     }
 
     /// Unloads adapter `name` (see `LoraRegistry::unload`).
@@ -307,18 +270,9 @@ impl Adapters {
         lock(&self.registry).ready()
     }
 
-    /// Loads the adapters again on shards that restarted (they hold none), under their ids: the ready ones
-    /// and those draining (requests still hold them).
-    pub async fn reload(&self, shards: &dyn ShardClient) -> Result<(), ShardError> {
-        let loaded = lock(&self.registry).take_loaded();
-        for adapter in loaded {
-            let request = pb::LoadAdapterRequest {
-                adapter_id: adapter.id,
-                path: adapter.path.clone(),
-            };
-            shards.load_adapter(request).await?;
-        }
-        Ok(())
+    /// See `LoraRegistry::take_loaded`.
+    pub fn take_loaded(&self) -> Vec<AdapterInfo> {
+        lock(&self.registry).take_loaded()
     }
 }
 
@@ -328,13 +282,6 @@ pub fn parse_adapter_arg(item: &str) -> Result<(String, PathBuf), String> {
         Some((name, path)) if !name.is_empty() && !path.is_empty() => Ok((name.into(), PathBuf::from(path))),
         _ => Err(format!("expected name=path, got {item:?}")),
     }
-}
-
-fn unix_s() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]

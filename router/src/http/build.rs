@@ -111,10 +111,16 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
         metrics.clone(),
     )
     .with_adapters(adapters.clone());
-    let handle = EngineHandle::new(inbox_tx, shards, metrics, limits.max_unread_tokens, core.stats());
+    let handle = EngineHandle::new(
+        inbox_tx,
+        shards,
+        metrics,
+        adapters,
+        limits.max_unread_tokens,
+        core.stats(),
+    );
     let engine = engine::spawn(core);
-    let mut state = app_state(config, limits, handle, model, &pool, shard_info, &warmup)?;
-    state.adapters = adapters; // app_state's parameters are many enough
+    let state = app_state(config, limits, handle, model, &pool, shard_info, &warmup)?;
     Ok(Server {
         app: app(state.clone()),
         state,
@@ -136,7 +142,7 @@ async fn load_adapters(config: &Config, shards: &dyn ShardClient, info: &pb::Inf
     );
     for (name, path) in &config.lora.adapters {
         let path = path.display().to_string();
-        let adapter = adapters.load(shards, name, &path, &config.served_model_name).await?;
+        let adapter = super::lora::load_adapter(&adapters, shards, name, &path, &config.served_model_name).await?;
         tracing::info!(name, path, id = adapter.id, rank = adapter.rank, targets = ?adapter.target_modules, "LoRA adapter loaded");
     }
     tracing::info!(
@@ -263,7 +269,6 @@ fn app_state(
         limits,
         batch: config.batch.clone(),
         responses: Arc::new(std::sync::Mutex::new(ResponseStore::new(config.responses_store))),
-        adapters: Adapters::new(0, 0),
         is_lora_loading_enabled: config.lora.is_loading_enabled,
     })
 }

@@ -14,7 +14,7 @@ use crate::{
     api::{openai, ErrorResponse},
     chat_template::ChatTemplateError,
     engine::EngineError,
-    lora::{LoadError, LoraError},
+    lora::LoraError,
     shard::ShardError,
     validation::ValidationError,
 };
@@ -58,9 +58,14 @@ pub enum ApiError {
     /// A LoRA load or unload the registry refused (a taken or unknown name).
     #[error("{0}")]
     Lora(#[from] crate::lora::LoraError),
-    /// A LoRA adapter the shards could not load.
-    #[error("{0}")]
-    LoraLoad(crate::lora::LoadError),
+    /// A LoRA adapter the shards could not load: a folder a shard refused (its message says why), or a
+    /// shard that failed.
+    #[error("loading the lora adapter `{name}` from {path} failed: {error}")]
+    LoraLoad {
+        name: String,
+        path: String,
+        error: ShardError,
+    },
     #[error("the server has --max-concurrent-requests = {0} requests in flight; retry later")]
     Overloaded(u32),
     #[error("the queue holds --max-waiting-requests = {0} requests; retry later")]
@@ -103,13 +108,11 @@ impl ApiError {
             ApiError::Lora(LoraError::Unknown(_)) => StatusCode::NOT_FOUND,
             ApiError::Lora(LoraError::Duplicate(_) | LoraError::InvalidName(_)) => StatusCode::BAD_REQUEST,
             // A folder a shard refused is the request's fault; a shard that failed or timed out is not.
-            ApiError::LoraLoad(LoadError::Registry(LoraError::Unknown(_))) => StatusCode::NOT_FOUND,
-            ApiError::LoraLoad(LoadError::Registry(_)) => StatusCode::BAD_REQUEST,
-            ApiError::LoraLoad(LoadError::Shard {
+            ApiError::LoraLoad {
                 error: ShardError::Refused { .. },
                 ..
-            }) => StatusCode::BAD_REQUEST,
-            ApiError::LoraLoad(LoadError::Shard { .. }) => StatusCode::INTERNAL_SERVER_ERROR,
+            } => StatusCode::BAD_REQUEST,
+            ApiError::LoraLoad { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Overloaded(_) | ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::QueueTimeout(_)) => StatusCode::SERVICE_UNAVAILABLE,
@@ -128,7 +131,7 @@ impl ApiError {
             ApiError::ShuttingDown => "unavailable",
             ApiError::ModelNotFound(..) => "model_not_found",
             ApiError::Engine(_) => "generation",
-            ApiError::LoraLoadingDisabled | ApiError::Lora(_) | ApiError::LoraLoad(_) => "lora",
+            ApiError::LoraLoadingDisabled | ApiError::Lora(_) | ApiError::LoraLoad { .. } => "lora",
             _ => "validation",
         }
     }
@@ -143,7 +146,8 @@ impl ApiError {
             | ApiError::InvalidField { param, .. } => Some(param.clone()),
             ApiError::PreviousResponseNotFound(_) => Some("previous_response_id".into()),
             ApiError::ModelNotFound(..) => Some("model".into()),
-            ApiError::Lora(_) | ApiError::LoraLoad(_) => Some("lora_name".into()),
+            ApiError::Lora(_) => Some("lora_name".into()),
+            ApiError::LoraLoad { .. } => Some("lora_path".into()),
             _ => None,
         }
     }

@@ -210,7 +210,7 @@ async fn adapters_load_and_unload_at_run_time() {
 async fn an_unloaded_adapter_stays_on_the_shards_while_a_request_holds_it() {
     let server = two_adapters().await;
     // A request that resolved `sql` and still runs (or still validates).
-    let held = server.state.adapters.resolve("sql").expect("loaded");
+    let held = server.state.engine.adapters.resolve("sql").expect("loaded");
     assert_eq!(unload(&server, "sql").await.0, StatusCode::OK);
     assert_eq!(
         completion(&server, "sql", "w1").await.0,

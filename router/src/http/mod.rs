@@ -47,7 +47,6 @@ use crate::{
     chat_template::{ChatTemplate, ChatTemplateError},
     config::{BatchConfig, LimitsConfig},
     engine::{EndEvent, EngineError, EngineHandle, EventReceiver, TokenEvent},
-    lora::Adapters,
     metrics::Outcome,
     shard::pb,
     text::{reasoning::ReasoningFormat, tool_calls::ToolCallFormat},
@@ -90,8 +89,6 @@ pub struct AppState {
     pub batch: BatchConfig,
     /// Stored `/v1/responses` responses and their token histories (`--responses-store-*`).
     pub responses: Arc<responses::Store>,
-    /// The LoRA adapters requests may name (shared with the engine).
-    pub adapters: Adapters,
     /// `--enable-lora-loading`: the load and unload endpoints work.
     pub is_lora_loading_enabled: bool,
 }

@@ -55,7 +55,7 @@ pub(super) fn resolve_model(state: &AppState, model: Option<&str>) -> Result<Opt
     let Some(model) = model.filter(|model| *model != state.served_model_name) else {
         return Ok(None);
     };
-    match state.adapters.resolve(model) {
+    match state.engine.adapters.resolve(model) {
         Some(adapter) => Ok(Some(adapter)),
         None => Err(model_not_found(state, model)),
     }
@@ -64,6 +64,7 @@ pub(super) fn resolve_model(state: &AppState, model: Option<&str>) -> Result<Opt
 /// The 404 of a model name that is neither the served model's nor a LoRA adapter's: it lists those.
 fn model_not_found(state: &AppState, model: &str) -> ApiError {
     let adapters: Vec<String> = state
+        .engine
         .adapters
         .ready()
         .iter()
@@ -144,7 +145,7 @@ fn served_models(state: &AppState) -> Vec<Model> {
         root: state.model_id.clone(),
         parent: None,
     };
-    let adapters = state.adapters.ready().into_iter().map(|adapter| Model {
+    let adapters = state.engine.adapters.ready().into_iter().map(|adapter| Model {
         id: adapter.name.to_string(),
         created: adapter.created,
         root: adapter.path,

@@ -113,10 +113,11 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
         memory: state.memory.clone(),
         responses_store: super::responses::store_size(&state),
         lora: LoraInfo {
-            max_loras: state.adapters.max_loras,
-            max_lora_rank: state.adapters.max_lora_rank,
+            max_loras: state.engine.adapters.max_loras,
+            max_lora_rank: state.engine.adapters.max_lora_rank,
             runtime_loading: state.is_lora_loading_enabled,
             adapters: state
+                .engine
                 .adapters
                 .ready()
                 .into_iter()
