@@ -25,6 +25,15 @@ pub struct Args {
     /// Model name of the OpenAI API (`/v1/models`, the `model` field); default: the model folder's name.
     #[arg(long, env = "RILL_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
+    /// LoRA adapters to serve from the start, `name=path,...` (PEFT folders on the shards' machine); a
+    /// request selects one by naming it in `model` (OpenAI, Anthropic) or `adapter_id` (TGI). Needs shards
+    /// started with `--max-loras N`; an adapter a shard refuses stops the start with its reason.
+    #[arg(long, env = "RILL_LORA_ADAPTERS", value_delimiter = ',', value_parser = crate::lora::parse_adapter_arg)]
+    pub lora_adapters: Vec<(String, PathBuf)>,
+    /// Allow loading and unloading LoRA adapters at run time (`POST /v1/load_lora_adapter`,
+    /// `/v1/unload_lora_adapter`); off, those answer 404. Needs shards started with `--max-loras N`.
+    #[arg(long, env = "RILL_ENABLE_LORA_LOADING")]
+    pub enable_lora_loading: bool,
     /// Address to listen on.
     #[arg(long, env = "RILL_HOSTNAME", default_value = "127.0.0.1")]
     pub hostname: String,
@@ -242,6 +251,22 @@ pub enum Scheduling {
     Static,
 }
 
+/// LoRA adapters (`--lora-adapters`, `--enable-lora-loading`).
+#[derive(Debug, Clone, Default)]
+pub struct LoraConfig {
+    /// Adapters loaded at start: (name, PEFT folder), in the flag's order.
+    pub adapters: Vec<(String, PathBuf)>,
+    /// Whether adapters may be loaded and unloaded at run time.
+    pub is_loading_enabled: bool,
+}
+
+impl LoraConfig {
+    /// Whether any LoRA flag is set (the shards must then have LoRA slots).
+    pub fn is_wanted(&self) -> bool {
+        !self.adapters.is_empty() || self.is_loading_enabled
+    }
+}
+
 /// Request limits enforced by validation and admission.
 #[derive(Debug, Clone)]
 pub struct LimitsConfig {
@@ -348,6 +373,7 @@ pub struct Config {
     pub batch: BatchConfig,
     /// `--responses-store-*`.
     pub responses_store: StoreBounds,
+    pub lora: LoraConfig,
 }
 
 impl Config {
@@ -413,6 +439,16 @@ impl Config {
             let name = args.model_id.file_name().unwrap_or(args.model_id.as_os_str());
             name.to_string_lossy().into_owned()
         });
+        for (i, (name, _)) in args.lora_adapters.iter().enumerate() {
+            anyhow::ensure!(
+                *name != served_model_name,
+                "--lora-adapters: the adapter name `{name}` is the base model's (--served-model-name)"
+            );
+            anyhow::ensure!(
+                !args.lora_adapters[..i].iter().any(|(other, _)| other == name),
+                "--lora-adapters names `{name}` twice"
+            );
+        }
         Ok(Self {
             served_model_name,
             model_id: args.model_id,
@@ -437,6 +473,10 @@ impl Config {
                 max_entries: args.responses_store_max_entries,
                 max_bytes: args.responses_store_max_bytes,
                 ttl: Duration::from_secs(args.responses_store_ttl_secs),
+            },
+            lora: LoraConfig {
+                adapters: args.lora_adapters,
+                is_loading_enabled: args.enable_lora_loading,
             },
             limits: LimitsConfig {
                 max_input_tokens: args.max_input_tokens,
@@ -522,6 +562,35 @@ mod tests {
         assert_eq!(limits.fit_to_model(8192), None);
         assert_eq!(limits.fit_to_model(0), None); // unknown
         assert_eq!((limits.max_input_tokens, limits.max_total_tokens), (4095, 4096));
+    }
+
+    #[test]
+    fn lora_adapters_are_a_list_of_distinct_names() {
+        let parse = |flags: &[&str]| {
+            let base = ["rill-router", "--model-id", "/m/base", "--shard-socket", "s"];
+            Args::try_parse_from(base.iter().chain(flags))
+                .map_err(|e| e.to_string())
+                .and_then(|args| Config::from_args(args).map_err(|e| e.to_string()))
+                .map(|config| config.lora)
+        };
+        let lora = parse(&["--lora-adapters", "sql=/a/sql,chat=/a/chat"]).unwrap();
+        assert_eq!(
+            lora.adapters,
+            [
+                ("sql".into(), PathBuf::from("/a/sql")),
+                ("chat".into(), PathBuf::from("/a/chat"))
+            ]
+        );
+        assert!(lora.is_wanted() && !lora.is_loading_enabled);
+        assert!(!parse(&[]).unwrap().is_wanted());
+        assert!(parse(&["--enable-lora-loading"]).unwrap().is_wanted());
+        assert!(parse(&["--lora-adapters", "sql"])
+            .unwrap_err()
+            .contains("expected name=path"));
+        assert!(parse(&["--lora-adapters", "a=/x,a=/y"]).unwrap_err().contains("twice"));
+        assert!(parse(&["--lora-adapters", "base=/x"])
+            .unwrap_err()
+            .contains("base model"));
     }
 
     #[test]

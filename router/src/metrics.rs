@@ -3,8 +3,8 @@
 //! saturation (queue depth, running sequences, free KV blocks), histograms for latencies and step sizes.
 
 use prometheus::{
-    core::Collector, exponential_buckets, Counter, Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter,
-    IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    core::Collector, exponential_buckets, Counter, Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec,
+    IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
 };
 
 /// Request outcomes, the label values of `rill_requests_total`.
@@ -125,6 +125,12 @@ pub struct Metrics {
     ignored_request_fields: IntCounterVec,
     /// The field names that have a series of their own, at most `MAX_IGNORED_FIELD_LABELS`.
     ignored_field_labels: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// vLLM's `vllm:lora_requests_info` in Rill's name (`set_lora_info`): one series at a time.
+    lora_requests_info: GaugeVec,
+    /// The labels of its series now: running adapters, waiting adapters, max_lora.
+    lora_info_labels: std::sync::Mutex<[String; 3]>,
+    /// Requests accepted (validated and queued) for a LoRA adapter, by `adapter` name.
+    lora_requests: IntCounterVec,
 }
 
 /// Distinct field names `rill_ignored_request_fields_total` labels; later ones count under `other`, so
@@ -384,6 +390,30 @@ impl Metrics {
                 .expect("valid counter"),
             ),
             ignored_field_labels: Default::default(),
+            lora_requests_info: register(
+                &registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "rill_lora_requests_info",
+                        "LoRA adapters of running and waiting requests (comma-separated names) and the \
+                         adapters one batch may use; the value is the Unix time of the last change",
+                    ),
+                    &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                )
+                .expect("valid gauge"),
+            ),
+            lora_info_labels: Default::default(),
+            lora_requests: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "rill_lora_requests_total",
+                        "Requests accepted (validated and queued) for a LoRA adapter, by adapter name",
+                    ),
+                    &["adapter"],
+                )
+                .expect("valid counter"),
+            ),
             requests,
             registry,
         }
@@ -426,6 +456,37 @@ impl Metrics {
     #[cfg(test)]
     pub fn num_requests(&self, outcome: Outcome) -> u64 {
         self.requests.with_label_values(&[outcome.label()]).get()
+    }
+
+    /// Sets `rill_lora_requests_info`, in the shape of vLLM's `vllm:lora_requests_info` that the Gateway API
+    /// Inference Extension's endpoint picker reads (`--lora-info-metric`) to route a request to a replica
+    /// that runs its adapter: labels `running_lora_adapters` and `waiting_lora_adapters` (the adapters'
+    /// names, comma-separated) and `max_lora`; the value is the Unix time (seconds) of the last change.
+    /// Unlike vLLM, which leaves a series behind at every change (readers take the newest), the previous
+    /// series is removed, so there is one.
+    pub fn set_lora_info(&self, running: &str, waiting: &str, max_lora: u32) {
+        let labels = [running.to_owned(), waiting.to_owned(), max_lora.to_string()];
+        let mut current = self
+            .lora_info_labels
+            .lock()
+            .expect("never poisoned: no panics while held");
+        // (The labels start empty, so the first call always sets a series: `max_lora` is never empty.)
+        if *current == labels {
+            return;
+        }
+        self.lora_requests_info.reset();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or_default();
+        let label_refs: Vec<&str> = labels.iter().map(String::as_str).collect();
+        self.lora_requests_info.with_label_values(&label_refs).set(now);
+        *current = labels;
+    }
+
+    /// Counts a request accepted for LoRA adapter `adapter`.
+    pub fn count_lora_request(&self, adapter: &str) {
+        self.lora_requests.with_label_values(&[adapter]).inc();
     }
 
     /// Records that a forward pass succeeded now.

@@ -11,6 +11,7 @@ use tokenizers::Tokenizer;
 use crate::{
     config::{LimitsConfig, MAX_TIMEOUT_S},
     grammar::{CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec},
+    lora::AdapterRef,
 };
 
 /// The shortest `timeout` a request may give, in seconds (shorter ones could not even be measured).
@@ -164,6 +165,8 @@ pub struct GenerateInput {
     pub timeout: Option<f64>,
     /// Keep the finished sequence's prefix cached for the session's next turn.
     pub cache_pin: Option<CachePin>,
+    /// The LoRA adapter the request named (`model`, `adapter_id`); None = the base model.
+    pub adapter: Option<AdapterRef>,
 }
 
 impl GenerateInput {
@@ -198,6 +201,7 @@ impl GenerateInput {
             grammar: None,
             timeout: None,
             cache_pin: None,
+            adapter: None,
         }
     }
 }
@@ -252,6 +256,8 @@ pub struct ValidRequest {
     pub timeout: Option<Duration>,
     /// Pin the finished sequence's cached prefix under this key for this long.
     pub cache_pin: Option<ValidCachePin>,
+    /// The LoRA adapter it runs with, held until the request is dropped everywhere; None = the base model.
+    pub adapter: Option<AdapterRef>,
 }
 
 /// Checks requests against the limits, the vocabulary and the KV pool size; tokenizes off the runtime.
@@ -519,6 +525,7 @@ impl Validator {
             grammar: None,
             timeout,
             cache_pin,
+            adapter: input.adapter,
         })
     }
 }

@@ -17,6 +17,7 @@ const LAYERS: &[&str] = &[
     "telemetry",
     "metrics",
     "kv",
+    "lora",
     "grammar",
     "scheduler",
     "config",

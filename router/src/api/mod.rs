@@ -26,7 +26,7 @@ pub struct GenerateRequest {
 }
 
 /// Generation settings; every field is optional. TGI fields Rill does not implement (`best_of` > 1,
-/// `watermark`, `decoder_input_details`, `adapter_id`) are accepted only at their off value.
+/// `watermark`, `decoder_input_details`) are accepted only at their off value.
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateParameters {
@@ -83,7 +83,8 @@ pub struct GenerateParameters {
     /// or `{"type": "json_schema", "value": {"name": ..., "schema": <JSON Schema>}}`.
     #[schema(value_type = Option<Object>)]
     pub grammar: Option<serde_json::Value>,
-    /// Not implemented: accepted when null.
+    /// A LoRA adapter's name (as in `--lora-adapters` or `/v1/load_lora_adapter`); null or the served
+    /// model's name: the base model. An unknown name gets 404.
     pub adapter_id: Option<String>,
 }
 
@@ -185,7 +186,35 @@ pub struct Info {
     pub memory: MemoryInfo,
     /// The `/v1/responses` store: its bounds and what it holds now.
     pub responses_store: ResponsesStoreInfo,
+    pub lora: LoraInfo,
     pub version: &'static str,
+}
+
+/// LoRA adapters: the shards' slots and the adapters requests may name.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct LoraInfo {
+    /// The most distinct adapters one forward pass may use (the shards' `--max-loras`); 0 = LoRA off.
+    pub max_loras: u32,
+    /// The largest adapter rank the shards accept.
+    pub max_lora_rank: u32,
+    /// Whether adapters may be loaded and unloaded at run time (`--enable-lora-loading`).
+    pub runtime_loading: bool,
+    /// The adapters requests may name, in load order.
+    pub adapters: Vec<LoraAdapterInfo>,
+}
+
+/// One LoRA adapter.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct LoraAdapterInfo {
+    /// What requests give in `model` (or `adapter_id`).
+    pub name: String,
+    /// The id the shards know it by.
+    pub id: u32,
+    /// The PEFT folder it was loaded from.
+    pub path: String,
+    pub rank: u32,
+    /// The modules it modifies (for example `q_proj`).
+    pub target_modules: Vec<String>,
 }
 
 /// The `/v1/responses` store (`--responses-store-*`).

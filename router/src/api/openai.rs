@@ -510,6 +510,10 @@ pub struct Model {
     pub owned_by: &'static str,
     /// Most tokens of one request, prompt plus generated.
     pub max_model_len: u32,
+    /// Where it was loaded from: the model folder, or a LoRA adapter's folder.
+    pub root: String,
+    /// A LoRA adapter's base model (the served model's name); null for the base model.
+    pub parent: Option<String>,
 }
 
 /// `GET /v1/models`.
@@ -535,4 +539,19 @@ pub struct ErrorBody {
 #[schema(as = OpenAiErrorResponse)]
 pub struct ErrorResponse {
     pub error: ErrorBody,
+}
+
+/// `POST /v1/load_lora_adapter` (vLLM's request).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct LoadLoraAdapterRequest {
+    /// The name requests will give in `model` (or TGI's `adapter_id`).
+    pub lora_name: String,
+    /// A PEFT LoRA folder (`adapter_config.json`, `adapter_model.safetensors`) on the shards' machine.
+    pub lora_path: String,
+}
+
+/// `POST /v1/unload_lora_adapter` (vLLM's request).
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct UnloadLoraAdapterRequest {
+    pub lora_name: String,
 }

@@ -18,6 +18,7 @@ use super::{
 };
 use crate::{
     kv::{KvPool, SwapPool},
+    lora::Adapters,
     metrics::{Metrics, Outcome},
     scheduler::{BatchingMode, PreemptionConfig, Scheduler, SchedulerConfig, StepPlan},
     shard::{pb, ShardClient},
@@ -57,6 +58,8 @@ pub struct EngineCore {
     pub(super) swap: SwapPool,
     /// What the shards must do before the next forward pass: drop released sequences, copy blocks.
     pub(super) outbox: Outbox,
+    /// The LoRA adapters: each forward call carries the ids of those drained since the last one.
+    pub(super) adapters: Adapters,
     pub(super) inbox: mpsc::UnboundedReceiver<NewRequest>,
     pub(super) metrics: Arc<Metrics>,
     /// The engine's state and running totals, published to `stats_tx` by `publish_stats`.
@@ -88,6 +91,7 @@ impl EngineCore {
             queues: Queues::default(),
             swap: SwapPool::new(config.preemption.num_host_blocks),
             outbox: Outbox::default(),
+            adapters: Adapters::new(0, 0),
             inbox,
             metrics,
             stats: EngineStats::default(),
@@ -95,6 +99,13 @@ impl EngineCore {
         };
         core.publish_stats();
         core
+    }
+
+    /// Serves the LoRA adapters of `adapters` (the same registry the HTTP handlers resolve names in).
+    pub fn with_adapters(mut self, adapters: Adapters) -> Self {
+        self.adapters = adapters;
+        self.publish_stats();
+        self
     }
 
     /// The engine's stats as it publishes them (after every step and when idle), for the handles.
@@ -155,6 +166,8 @@ impl EngineCore {
         }
         let is_decode = plan.is_decode_only();
         let chunks = self.apply_plan(&plan, prefix_hits);
+        // After this step's releases: an adapter whose last sequence just left is freed with this call.
+        self.outbox.unload_adapters(self.adapters.take_unloaded());
         let request = self.outbox.take_request(chunks);
         let step_span = self.step_span(&plan, is_decode);
         let started = Instant::now();
@@ -278,5 +291,20 @@ impl EngineCore {
         metrics.swapped_sequences.set(stats.num_swapped as i64);
         metrics.swap_blocks_total.set(i64::from(stats.num_usable_host_blocks));
         metrics.swap_blocks_free.set(i64::from(stats.num_free_host_blocks));
+        self.publish_lora_info();
+    }
+
+    /// Sets `rill_lora_requests_info` from the adapters of the running sequences and of those waiting for
+    /// admission or in the swap pool (they hold no adapter slot).
+    fn publish_lora_info(&self) {
+        let names = |seqs: &mut dyn Iterator<Item = &Sequence>| {
+            let names: std::collections::BTreeSet<&str> = seqs.filter_map(Sequence::adapter_name).collect();
+            names.into_iter().collect::<Vec<_>>().join(",")
+        };
+        let queues = &self.queues;
+        let running = names(&mut queues.running.iter());
+        let waiting = names(&mut queues.waiting.iter().chain(&queues.swapped));
+        self.metrics
+            .set_lora_info(&running, &waiting, self.scheduler.config.max_loras as u32);
     }
 }

@@ -7,7 +7,7 @@ use super::{EngineCore, RequestId};
 use crate::{
     kv::{CacheActivity, KvPool, SwapPool},
     scheduler::{PreemptionConfig, PreemptionCosts, PreemptionMode},
-    shard::pb,
+    shard::{pb, ShardError},
 };
 
 /// The preemption settings for `mode` given the shards' Warmup answer.
@@ -44,6 +44,7 @@ impl EngineCore {
                 params: Some(pb::SamplingParams::default()),
                 cached_token_ids: Vec::new(),
                 allowed_token_bitmask: Vec::new(),
+                adapter_id: 0,
             }]);
             let started = Instant::now();
             let result = self.shards.forward(request, num_tokens == 1).await;
@@ -63,6 +64,19 @@ impl EngineCore {
         );
     }
 
+    /// Loads the LoRA adapters again on shards that restarted (they hold none), under their ids: the ready
+    /// ones and those still draining.
+    async fn reload_adapters(&self) -> Result<(), ShardError> {
+        for adapter in self.adapters.take_loaded() {
+            let request = pb::LoadAdapterRequest {
+                adapter_id: adapter.id,
+                path: adapter.path,
+            };
+            self.shards.load_adapter(request).await?;
+        }
+        Ok(())
+    }
+
     /// Waits until the shards answer again (the launcher restarts them with `--restart-shards`), warms
     /// them up and starts over with a fresh KV pool: their new pools hold nothing, so neither may the
     /// allocator or the prefix cache. Requests that arrive meanwhile are served afterwards.
@@ -74,6 +88,10 @@ impl EngineCore {
             }
             match self.shards.warmup(self.warmup).await {
                 Ok(warmup) => {
+                    if let Err(e) = self.reload_adapters().await {
+                        tracing::warn!(error = %e, "loading the LoRA adapters after a shard restart failed; retrying");
+                        continue;
+                    }
                     for seq in self.queues.waiting.iter_mut() {
                         let blocks = seq.reset_kv();
                         debug_assert!(blocks.is_empty(), "waiting sequences hold no blocks");

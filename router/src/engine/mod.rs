@@ -37,7 +37,7 @@ pub use self::event_loop::{EngineConfig, EngineCore};
 pub use self::lifecycle::preemption_config;
 pub use self::stats::EngineStats;
 pub use self::watch::{spawn, EngineTask};
-use crate::{metrics::Metrics, scheduler::RequestId, shard::ShardClient, validation::ValidRequest};
+use crate::{lora::Adapters, metrics::Metrics, scheduler::RequestId, shard::ShardClient, validation::ValidRequest};
 
 /// Why generation ended (the API shows it as is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
@@ -126,9 +126,11 @@ pub struct NewRequest {
 pub struct EngineHandle {
     inbox: mpsc::UnboundedSender<NewRequest>,
     next_id: Arc<AtomicU64>,
-    /// For health checks only; the engine task alone drives the shards.
+    /// For health checks and LoRA loads only; the engine task alone drives forward passes.
     shards: Arc<dyn ShardClient>,
     pub metrics: Arc<Metrics>,
+    /// The LoRA adapters requests may name; the engine tells the shards when one has drained.
+    pub adapters: Adapters,
     /// `--max-unread-tokens`: the token events each request's channel holds.
     max_unread_tokens: usize,
     /// What the engine last published about its state (`EngineCore::stats`).
@@ -140,6 +142,7 @@ impl EngineHandle {
         inbox: mpsc::UnboundedSender<NewRequest>,
         shards: Arc<dyn ShardClient>,
         metrics: Arc<Metrics>,
+        adapters: Adapters,
         max_unread_tokens: usize,
         stats: tokio::sync::watch::Receiver<EngineStats>,
     ) -> Self {
@@ -148,9 +151,15 @@ impl EngineHandle {
             next_id: Arc::new(AtomicU64::new(1)),
             shards,
             metrics,
+            adapters,
             max_unread_tokens,
             stats,
         }
+    }
+
+    /// The shards, for the calls made outside the engine loop (health checks, loading LoRA adapters).
+    pub fn shards(&self) -> Arc<dyn ShardClient> {
+        self.shards.clone()
     }
 
     /// The engine's state as of its latest step (or idle moment).

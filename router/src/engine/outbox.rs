@@ -12,12 +12,18 @@ pub struct Outbox {
     released_ids: Vec<u64>,
     swap_out: Vec<pb::BlockCopy>,
     swap_in: Vec<pb::BlockCopy>,
+    unloaded_adapter_ids: Vec<u32>,
 }
 
 impl Outbox {
     /// The shards drop the state they hold for `id` (its sampling params, its grammar mask, its history).
     pub fn release(&mut self, id: RequestId) {
         self.released_ids.push(id.0);
+    }
+
+    /// The shards free these LoRA adapters (drained: no sequence of the next call or later uses them).
+    pub fn unload_adapters(&mut self, ids: Vec<u32>) {
+        self.unloaded_adapter_ids.extend(ids);
     }
 
     /// Queues copies of device blocks to the host swap pool (a swap preemption).
@@ -47,12 +53,14 @@ impl Outbox {
             released_ids,
             swap_out,
             swap_in,
+            unloaded_adapter_ids,
         } = std::mem::take(self);
         pb::ForwardRequest {
             released_ids,
             sequences,
             swap_out,
             swap_in,
+            unloaded_adapter_ids,
         }
     }
 }
@@ -89,8 +97,10 @@ mod tests {
         outbox.swap_out(vec![copy(5, 1), copy(6, 2)]);
         outbox.swap_in(vec![copy(7, 3)]);
         outbox.release(RequestId(4));
+        outbox.unload_adapters(vec![2]);
         let request = outbox.take_request(Vec::new());
         assert_eq!(request.released_ids, [3, 4]);
+        assert_eq!(request.unloaded_adapter_ids, [2]);
         assert_eq!(request.swap_out, [pb_copy(5, 1), pb_copy(6, 2)]);
         assert_eq!(request.swap_in, [pb_copy(7, 3)]);
         let next = outbox.take_request(Vec::new());

@@ -126,6 +126,7 @@ mod tests {
             grammar: None,
             timeout: None,
             cache_pin: None,
+            adapter: None,
         };
         let (events, receiver) = mpsc::channel(2);
         let new = NewRequest {

@@ -15,6 +15,18 @@ use crate::{
     validation::{ValidCachePin, ValidRequest},
 };
 
+/// The prefix-cache namespace of requests in namespace `salt` (see `Sequence::cache_salt`) running with
+/// adapter `adapter_id`: `salt` itself for the base model (0), else a fixed-key hash of both, never 0.
+fn adapter_namespace(salt: u64, adapter_id: u32) -> u64 {
+    use std::hash::{Hash, Hasher};
+    if adapter_id == 0 {
+        return salt;
+    }
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    (salt, adapter_id).hash(&mut hasher);
+    hasher.finish().max(1)
+}
+
 pub struct Sequence {
     pub id: RequestId,
     /// Prompt followed by the generated tokens.
@@ -142,7 +154,18 @@ impl Sequence {
             num_cached_evictable: 0,
             is_deferred: false,
             max_num_tokens: self.num_prompt_tokens + self.request.max_new_tokens as usize,
+            adapter_id: self.adapter_id(),
         }
+    }
+
+    /// The LoRA adapter it runs with (0: the base model).
+    pub fn adapter_id(&self) -> u32 {
+        self.request.adapter.as_ref().map_or(0, |adapter| adapter.id)
+    }
+
+    /// The name of its LoRA adapter; None for the base model.
+    pub fn adapter_name(&self) -> Option<&str> {
+        self.request.adapter.as_ref().map(|adapter| &*adapter.name)
     }
 
     /// Leading block-table entries released out of the sliding window (the null block 0).
@@ -150,9 +173,12 @@ impl Sequence {
         self.blocks.iter().take_while(|&&block| block == 0).count()
     }
 
-    /// The prefix-cache namespace of this request (0 when it gave no `cache_salt`).
+    /// The prefix-cache namespace of this request: its `cache_salt`'s (0 when it gave none), and with a
+    /// LoRA adapter a namespace of that adapter's own, since an adapter changes every layer's K/V: two
+    /// adapters, or an adapter and the base model, never share cached blocks or session pins. Adapter
+    /// ids are never reused, so neither does an adapter loaded again under the same name.
     pub fn cache_salt(&self) -> u64 {
-        self.request.cache_salt
+        adapter_namespace(self.request.cache_salt, self.adapter_id())
     }
 
     /// The session pin the request asks for once it finishes.
@@ -228,6 +254,7 @@ impl Sequence {
             sample,
             params,
             cached_token_ids,
+            adapter_id: self.adapter_id(),
             allowed_token_bitmask: if sample && self.grammar.is_some() {
                 let started = Instant::now();
                 let mask = self.allowed_tokens(eos_token_ids);
@@ -388,5 +415,30 @@ impl Sequence {
         self.num_computed_tokens = 0;
         self.is_known_to_shards = false;
         std::mem::take(&mut self.blocks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::adapter_namespace;
+
+    #[test]
+    fn each_adapter_has_a_cache_namespace_of_its_own_in_each_salt() {
+        let salted = 0x5eed;
+        let namespaces = [
+            adapter_namespace(0, 0),
+            adapter_namespace(0, 1),
+            adapter_namespace(0, 2),
+            adapter_namespace(salted, 0),
+            adapter_namespace(salted, 1),
+            adapter_namespace(salted, 2),
+        ];
+        assert_eq!(namespaces[0], 0, "the base model keeps the shared namespace");
+        assert_eq!(namespaces[3], salted, "and its salts'");
+        for (i, a) in namespaces.iter().enumerate() {
+            for b in &namespaces[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
     }
 }

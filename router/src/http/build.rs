@@ -19,6 +19,7 @@ use crate::{
     engine::{self, preemption_config, EngineConfig, EngineCore, EngineHandle, EngineTask},
     grammar::GrammarCompiler,
     kv::{self, KvPool},
+    lora::Adapters,
     metrics::Metrics,
     scheduler::{BatchingMode, SchedulerConfig},
     shard::{pb, ShardClient},
@@ -68,6 +69,7 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
     if let Some(change) = limits.fit_to_model(shard_info.max_position_embeddings) {
         tracing::warn!("{change}");
     }
+    let adapters = load_adapters(config, &*shards, &shard_info).await?;
     tracing::info!("warming up: sizing the KV pool");
     let warmup_request = pb::WarmupRequest {
         max_batch_tokens: config.batch.max_batch_tokens,
@@ -95,7 +97,7 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
             "every layer attends through a sliding window: blocks the window has left are released"
         );
     }
-    let engine_config = engine_config(config, &pool, kv_window, warmup_request, &warmup);
+    let engine_config = engine_config(config, &pool, kv_window, &shard_info, warmup_request, &warmup);
     let metrics = Arc::new(Metrics::new());
     let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
     let eos_token_ids = shard_info.eos_token_ids.iter().copied().collect();
@@ -107,8 +109,16 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
         kv,
         inbox_rx,
         metrics.clone(),
+    )
+    .with_adapters(adapters.clone());
+    let handle = EngineHandle::new(
+        inbox_tx,
+        shards,
+        metrics,
+        adapters,
+        limits.max_unread_tokens,
+        core.stats(),
     );
-    let handle = EngineHandle::new(inbox_tx, shards, metrics, limits.max_unread_tokens, core.stats());
     let engine = engine::spawn(core);
     let state = app_state(config, limits, handle, model, &pool, shard_info, &warmup)?;
     Ok(Server {
@@ -116,6 +126,32 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
         state,
         engine,
     })
+}
+
+/// The LoRA adapters of `--lora-adapters`, loaded on the shards. LoRA flags need shards with LoRA slots;
+/// an adapter a shard refuses stops the start, with the shard's reason.
+async fn load_adapters(config: &Config, shards: &dyn ShardClient, info: &pb::InfoResponse) -> anyhow::Result<Adapters> {
+    let adapters = Adapters::new(info.max_loras, info.max_lora_rank);
+    if !config.lora.is_wanted() {
+        return Ok(adapters);
+    }
+    anyhow::ensure!(
+        info.max_loras > 0,
+        "--lora-adapters and --enable-lora-loading need LoRA slots on the shards: start them with --max-loras N \
+         (their Info reports max_loras = 0)"
+    );
+    for (name, path) in &config.lora.adapters {
+        let path = path.display().to_string();
+        let adapter = super::lora::load_adapter(&adapters, shards, name, &path, &config.served_model_name).await?;
+        tracing::info!(name, path, id = adapter.id, rank = adapter.rank, targets = ?adapter.target_modules, "LoRA adapter loaded");
+    }
+    tracing::info!(
+        max_loras = info.max_loras,
+        max_lora_rank = info.max_lora_rank,
+        runtime_loading = config.lora.is_loading_enabled,
+        "LoRA adapters ready"
+    );
+    Ok(adapters)
 }
 
 fn log_pool(config: &Config, pool: &Pool, warmup: &pb::WarmupResponse) {
@@ -137,6 +173,7 @@ fn engine_config(
     config: &Config,
     pool: &Pool,
     kv_window: usize,
+    shard_info: &pb::InfoResponse,
     warmup_request: pb::WarmupRequest,
     warmup: &pb::WarmupResponse,
 ) -> EngineConfig {
@@ -156,6 +193,7 @@ fn engine_config(
             kv_admission: batch.kv_admission,
             max_times_overtaken: MAX_TIMES_OVERTAKEN,
             kv_window,
+            max_loras: shard_info.max_loras as usize,
         },
         target_itl_ms: batch.target_itl_ms,
         max_queue_time: batch.max_queue_time,
@@ -231,5 +269,6 @@ fn app_state(
         limits,
         batch: config.batch.clone(),
         responses: Arc::new(std::sync::Mutex::new(ResponseStore::new(config.responses_store))),
+        is_lora_loading_enabled: config.lora.is_loading_enabled,
     })
 }

@@ -13,7 +13,7 @@ use super::{
     acquire, compat,
     error::OpenAiError,
     guided,
-    openai::{apply_sampling, check_model, finish_reason, uuid_like},
+    openai::{apply_sampling, finish_reason, resolve_model, uuid_like},
     responder::{respond, OpenAiFormat, ResponseHead, Submitted},
     submit,
     tools::OfferedTools,
@@ -238,7 +238,7 @@ pub async fn chat_completions(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
-    check_model(&state, &request.model)?;
+    let adapter = resolve_model(&state, request.model.as_deref())?;
     compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
     tracing::debug!(user = ?request.sampling.user, "chat completion request");
     if request.messages.is_empty() {
@@ -280,6 +280,7 @@ pub async fn chat_completions(
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
     compat::check_inert(&request.inert)?;
+    input.adapter = adapter;
     let permit = acquire(&state, n)?;
     let (valid, receivers) = submit(&state, &tag, input, n).await?;
     let format = Chat {

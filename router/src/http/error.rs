@@ -14,6 +14,8 @@ use crate::{
     api::{openai, ErrorResponse},
     chat_template::ChatTemplateError,
     engine::EngineError,
+    lora::LoraError,
+    shard::ShardError,
     validation::ValidationError,
 };
 
@@ -46,8 +48,24 @@ pub enum ApiError {
     /// `POST /v1/responses/{id}/cancel` of a response that is not running in the background.
     #[error("{0}")]
     NotCancellable(String),
-    #[error("the model `{0}` does not exist; this server serves `{1}`")]
+    /// A `model` (or `adapter_id`) naming neither the served model nor a LoRA adapter; the second field
+    /// lists what is served.
+    #[error("The model `{0}` does not exist; this server serves {1}")]
     ModelNotFound(String, String),
+    /// Runtime LoRA loading is off (`--enable-lora-loading`).
+    #[error("loading LoRA adapters at run time is off: start the router with --enable-lora-loading")]
+    LoraLoadingDisabled,
+    /// A LoRA load or unload the registry refused (a taken or unknown name).
+    #[error("{0}")]
+    Lora(#[from] crate::lora::LoraError),
+    /// A LoRA adapter the shards could not load: a folder a shard refused (its message says why), or a
+    /// shard that failed.
+    #[error("loading the lora adapter `{name}` from {path} failed: {error}")]
+    LoraLoad {
+        name: String,
+        path: String,
+        error: ShardError,
+    },
     #[error("the server has --max-concurrent-requests = {0} requests in flight; retry later")]
     Overloaded(u32),
     #[error("the queue holds --max-waiting-requests = {0} requests; retry later")]
@@ -86,7 +104,15 @@ impl ApiError {
             | ApiError::NotCancellable(_) => StatusCode::BAD_REQUEST,
             ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::ModelNotFound(..) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(..) | ApiError::LoraLoadingDisabled => StatusCode::NOT_FOUND,
+            ApiError::Lora(LoraError::Unknown(_)) => StatusCode::NOT_FOUND,
+            ApiError::Lora(LoraError::Duplicate(_) | LoraError::InvalidName(_)) => StatusCode::BAD_REQUEST,
+            // A folder a shard refused is the request's fault; a shard that failed or timed out is not.
+            ApiError::LoraLoad {
+                error: ShardError::Refused { .. },
+                ..
+            } => StatusCode::BAD_REQUEST,
+            ApiError::LoraLoad { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Overloaded(_) | ApiError::QueueFull(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Engine(EngineError::QueueTimeout(_)) => StatusCode::SERVICE_UNAVAILABLE,
@@ -105,6 +131,7 @@ impl ApiError {
             ApiError::ShuttingDown => "unavailable",
             ApiError::ModelNotFound(..) => "model_not_found",
             ApiError::Engine(_) => "generation",
+            ApiError::LoraLoadingDisabled | ApiError::Lora(_) | ApiError::LoraLoad { .. } => "lora",
             _ => "validation",
         }
     }
@@ -119,6 +146,8 @@ impl ApiError {
             | ApiError::InvalidField { param, .. } => Some(param.clone()),
             ApiError::PreviousResponseNotFound(_) => Some("previous_response_id".into()),
             ApiError::ModelNotFound(..) => Some("model".into()),
+            ApiError::Lora(_) => Some("lora_name".into()),
+            ApiError::LoraLoad { .. } => Some("lora_path".into()),
             _ => None,
         }
     }

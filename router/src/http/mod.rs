@@ -9,6 +9,9 @@ mod compat;
 mod compat_tests;
 mod error;
 mod guided;
+mod lora;
+#[cfg(test)]
+mod lora_tests;
 mod messages;
 mod middleware;
 mod native;
@@ -86,6 +89,8 @@ pub struct AppState {
     pub batch: BatchConfig,
     /// Stored `/v1/responses` responses and their token histories (`--responses-store-*`).
     pub responses: Arc<responses::Store>,
+    /// `--enable-lora-loading`: the load and unload endpoints work.
+    pub is_lora_loading_enabled: bool,
 }
 
 impl AppState {
@@ -137,6 +142,8 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/responses/{id}/input_items", get(responses::input_items))
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
+        .route("/v1/load_lora_adapter", post(lora::load))
+        .route("/v1/unload_lora_adapter", post(lora::unload))
         .route("/tokenize", post(service::tokenize))
         .route("/detokenize", post(service::detokenize))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -233,6 +240,9 @@ async fn submit(
         .engine
         .submit_n(valid.clone(), n, Some(waiting_permit), tag.id.clone())?;
     tag.hand_to_engine();
+    if let Some(adapter) = &valid.adapter {
+        state.engine.metrics.count_lora_request(&adapter.name);
+    }
     Ok((valid, receivers))
 }
 

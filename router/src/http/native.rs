@@ -12,7 +12,7 @@ use axum::{
 };
 use futures::Stream;
 
-use super::{acquire, collect, guided, submit, ApiError, AppState, RequestTag};
+use super::{acquire, collect, guided, openai::resolve_model, submit, ApiError, AppState, RequestTag};
 use crate::{
     api::{
         Details, ErrorResponse, GenerateParameters, GenerateRequest, GenerateResponse, StreamDetails, StreamResponse,
@@ -29,8 +29,9 @@ fn unsupported(param: &str, message: &str) -> ApiError {
     }
 }
 
-/// Maps the TGI parameters onto the shared `GenerateInput`.
-fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<GenerateInput, ApiError> {
+/// Maps the TGI parameters onto the shared `GenerateInput`; `adapter_id` names a LoRA adapter as OpenAI's
+/// `model` does.
+fn generate_input(state: &AppState, inputs: String, parameters: GenerateParameters) -> Result<GenerateInput, ApiError> {
     if parameters.best_of.is_some_and(|n| n > 1) {
         return Err(unsupported("best_of", "> 1 is not supported"));
     }
@@ -39,9 +40,6 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     }
     if parameters.decoder_input_details {
         return Err(unsupported("decoder_input_details", "is not supported"));
-    }
-    if parameters.adapter_id.is_some() {
-        return Err(unsupported("adapter_id", "is not supported: Rill serves one model"));
     }
     let mut input = GenerateInput::new(
         Prompt::Text {
@@ -66,6 +64,7 @@ fn generate_input(inputs: String, parameters: GenerateParameters) -> Result<Gene
     input.priority = parameters.priority;
     input.cache_salt = parameters.cache_salt;
     input.timeout = parameters.timeout;
+    input.adapter = resolve_model(state, parameters.adapter_id.as_deref())?;
     if let Some(grammar) = &parameters.grammar {
         input.grammar = guided::from_tgi(grammar)?;
     }
@@ -96,7 +95,7 @@ fn top_tokens(state: &AppState, event: &TokenEvent) -> Vec<TopToken> {
 
 /// Generate text.
 #[utoipa::path(post, path = "/generate", tag = "native", request_body = GenerateRequest,
-    responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse),
+    responses((status = 200, body = GenerateResponse), (status = 404, body = ErrorResponse), (status = 422, body = ErrorResponse),
               (status = 429, body = ErrorResponse), (status = 504, body = ErrorResponse)))]
 pub async fn generate(
     State(state): State<AppState>,
@@ -107,7 +106,7 @@ pub async fn generate(
     let Json(request) = body?;
     let prefix = request.parameters.return_full_text.then(|| request.inputs.clone());
     let details = request.parameters.details;
-    let input = generate_input(request.inputs, request.parameters)?;
+    let input = generate_input(&state, request.inputs, request.parameters)?;
     let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let finished = collect(receivers.pop().expect("one choice")).await?;
     let details = details.then(|| Details {
@@ -133,9 +132,9 @@ pub async fn generate(
 #[utoipa::path(post, path = "/generate_stream", tag = "native", request_body = GenerateRequest,
     responses((status = 200, description = "text/event-stream of StreamResponse", body = StreamResponse),
               (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
-              (status = 413, body = ErrorResponse), (status = 422, body = ErrorResponse),
-              (status = 429, body = ErrorResponse), (status = 500, body = ErrorResponse),
-              (status = 503, body = ErrorResponse)))]
+              (status = 404, body = ErrorResponse), (status = 413, body = ErrorResponse),
+              (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse),
+              (status = 500, body = ErrorResponse), (status = 503, body = ErrorResponse)))]
 pub async fn generate_stream(
     State(state): State<AppState>,
     Extension(tag): Extension<RequestTag>,
@@ -144,7 +143,7 @@ pub async fn generate_stream(
     let permit = acquire(&state, 1)?;
     let Json(request) = body?;
     let prefix = request.parameters.return_full_text.then(|| request.inputs.clone());
-    let input = generate_input(request.inputs, request.parameters)?;
+    let input = generate_input(&state, request.inputs, request.parameters)?;
     let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let mut events = receivers.pop().expect("one choice");
     let stream = async_stream::stream! {
@@ -187,7 +186,7 @@ pub async fn generate_stream(
 
 /// TGI's compatibility route: `/generate_stream` when the body says `"stream": true`, else `/generate`.
 #[utoipa::path(post, path = "/", tag = "native", request_body = GenerateRequest,
-    responses((status = 200, body = GenerateResponse), (status = 422, body = ErrorResponse),
+    responses((status = 200, body = GenerateResponse), (status = 404, body = ErrorResponse), (status = 422, body = ErrorResponse),
               (status = 504, body = ErrorResponse)))]
 pub async fn compat(
     State(state): State<AppState>,

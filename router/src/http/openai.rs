@@ -27,6 +27,7 @@ use crate::{
         FinishReason,
     },
     engine::TokenEvent,
+    lora::AdapterRef,
     validation::{CachePin, GenerateInput, Prompt, ValidationError},
 };
 
@@ -47,13 +48,37 @@ pub(super) fn finish_reason(reason: FinishReason) -> &'static str {
     }
 }
 
-pub(super) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
-    match model {
-        Some(model) if *model != state.served_model_name => {
-            Err(ApiError::ModelNotFound(model.clone(), state.served_model_name.clone()))
-        }
-        _ => Ok(()),
+/// The one place a request's `model` is read (every OpenAI route, Anthropic's, and TGI's `adapter_id`):
+/// no name or the served model's is the base model (None); a LoRA adapter's name selects it, held for the
+/// request (see `AdapterRef`); any other name is a 404 naming it.
+pub(super) fn resolve_model(state: &AppState, model: Option<&str>) -> Result<Option<AdapterRef>, ApiError> {
+    let Some(model) = model.filter(|model| *model != state.served_model_name) else {
+        return Ok(None);
+    };
+    match state.engine.adapters.resolve(model) {
+        Some(adapter) => Ok(Some(adapter)),
+        None => Err(model_not_found(state, model)),
     }
+}
+
+/// The 404 of a model name that is neither the served model's nor a LoRA adapter's: it lists those.
+fn model_not_found(state: &AppState, model: &str) -> ApiError {
+    let adapters: Vec<String> = state
+        .engine
+        .adapters
+        .ready()
+        .iter()
+        .map(|adapter| format!("`{}`", adapter.name))
+        .collect();
+    let served = match adapters.is_empty() {
+        true => format!("`{}`", state.served_model_name),
+        false => format!(
+            "`{}` and the LoRA adapters {}",
+            state.served_model_name,
+            adapters.join(", ")
+        ),
+    };
+    ApiError::ModelNotFound(model.into(), served)
 }
 
 /// Maps the OpenAI sampling fields onto the shared `GenerateInput`.
@@ -99,32 +124,45 @@ pub(super) fn apply_sampling(input: &mut GenerateInput, fields: &SamplingFields)
     Ok(n)
 }
 
-/// List the served model.
+/// List the served model and its LoRA adapters (each with the served model as `parent`).
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
     responses((status = 200, body = ModelList), (status = 401, body = ErrorResponse)))]
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     Json(ModelList {
         object: "list",
-        data: vec![served_model(&state)],
+        data: served_models(&state),
     })
 }
 
-fn served_model(state: &AppState) -> Model {
-    Model {
+/// The served model, then its ready LoRA adapters in load order.
+fn served_models(state: &AppState) -> Vec<Model> {
+    let base = Model {
         id: state.served_model_name.clone(),
         object: "model",
         created: state.started_at,
         owned_by: "rill",
         max_model_len: state.limits.max_total_tokens,
-    }
+        root: state.model_id.clone(),
+        parent: None,
+    };
+    let adapters = state.engine.adapters.ready().into_iter().map(|adapter| Model {
+        id: adapter.name.to_string(),
+        created: adapter.created,
+        root: adapter.path,
+        parent: Some(state.served_model_name.clone()),
+        ..base.clone()
+    });
+    std::iter::once(base.clone()).chain(adapters).collect()
 }
 
-/// One model by name: the served model, or 404.
+/// One model by name: the served model or a LoRA adapter, or 404.
 #[utoipa::path(get, path = "/v1/models/{id}", tag = "openai", params(("id" = String, Path, description = "Model name")),
     responses((status = 200, body = Model), (status = 404, body = ErrorResponse), (status = 401, body = ErrorResponse)))]
 pub async fn model(State(state): State<AppState>, Path(id): Path<String>) -> Result<Json<Model>, OpenAiError> {
-    check_model(&state, &Some(id))?;
-    Ok(Json(served_model(&state)))
+    match served_models(&state).into_iter().find(|model| model.id == id) {
+        Some(model) => Ok(Json(model)),
+        None => Err(model_not_found(&state, &id).into()),
+    }
 }
 
 /// Legacy completions, streaming or not.
@@ -140,7 +178,7 @@ pub async fn completions(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
-    check_model(&state, &request.model)?;
+    let adapter = resolve_model(&state, request.model.as_deref())?;
     compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
     tracing::debug!(user = ?request.sampling.user, "completion request");
     let prompts = prompts(request.prompt);
@@ -166,6 +204,7 @@ pub async fn completions(
         input.top_n_tokens = top_n;
         n = apply_sampling(&mut input, &request.sampling)?;
         input.grammar = grammar.clone();
+        input.adapter = adapter.clone();
         inputs.push(input);
     }
     let permit = acquire(&state, inputs.len() as u32 * n)?;

@@ -39,7 +39,7 @@ use super::{
     compat,
     error::OpenAiError,
     guided,
-    openai::{apply_sampling, check_model, now, uuid_like},
+    openai::{apply_sampling, now, resolve_model, uuid_like},
     response_store::ResponseStore,
     submit,
     tools::OfferedTools,
@@ -259,7 +259,7 @@ pub async fn create(
     body: Result<Json<CreateResponseRequest>, JsonRejection>,
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
-    check_model(&state, &request.model)?;
+    let adapter = resolve_model(&state, request.model.as_deref())?;
     compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
     check_inert(&request)?;
     let previous = match &request.previous_response_id {
@@ -313,6 +313,7 @@ pub async fn create(
         None => None,
     };
     input.cache_pin = pin_key;
+    input.adapter = adapter;
     let permit = acquire(&state, 1)?;
     let (valid, mut receivers) = submit(&state, &tag, input, 1).await?;
     let events = receivers.pop().expect("one receiver per choice");

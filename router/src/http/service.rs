@@ -10,8 +10,8 @@ use utoipa::OpenApi;
 
 use super::{ApiError, AppState};
 use crate::api::{
-    AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, PinInfo, TokenSpan,
-    TokenizeRequest, TokenizeResponse,
+    AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, LoraAdapterInfo, LoraInfo,
+    PinInfo, TokenSpan, TokenizeRequest, TokenizeResponse,
 };
 use crate::engine::EngineError;
 use crate::kv::kv_window;
@@ -112,6 +112,24 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
         },
         memory: state.memory.clone(),
         responses_store: super::responses::store_size(&state),
+        lora: LoraInfo {
+            max_loras: state.engine.adapters.max_loras,
+            max_lora_rank: state.engine.adapters.max_lora_rank,
+            runtime_loading: state.is_lora_loading_enabled,
+            adapters: state
+                .engine
+                .adapters
+                .ready()
+                .into_iter()
+                .map(|adapter| LoraAdapterInfo {
+                    name: adapter.name.to_string(),
+                    id: adapter.id,
+                    path: adapter.path,
+                    rank: adapter.rank,
+                    target_modules: adapter.target_modules,
+                })
+                .collect(),
+        },
         version: env!("CARGO_PKG_VERSION"),
     })
 }
@@ -207,6 +225,8 @@ pub async fn detokenize(
         super::responses::input_items,
         super::openai::models,
         super::openai::model,
+        super::lora::load,
+        super::lora::unload,
         health,
         ready,
         metrics,

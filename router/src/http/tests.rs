@@ -44,7 +44,7 @@ const MAX_UNREAD_TOKENS: usize = 8;
 pub(super) struct TestServer {
     pub(super) app: Router,
     pub(super) state: AppState,
-    shard: FakeShard,
+    pub(super) shard: FakeShard,
     engine: EngineTask,
 }
 
@@ -78,11 +78,22 @@ async fn server_with(
     let shard = FakeShard::new(num_blocks, 4)
         .with_swap_pool(num_host_blocks)
         .with_window(window);
+    let config = test_config(max_concurrent_requests, mode, preemption_mode, kv_admission);
+    start(config, shard).await
+}
+
+/// The flags of the test servers.
+pub(super) fn test_config(
+    max_concurrent_requests: u32,
+    mode: BatchingMode,
+    preemption_mode: PreemptionMode,
+    kv_admission: KvAdmission,
+) -> Config {
     let (scheduling, static_batch_wait_ms) = match mode {
         BatchingMode::Continuous => (Scheduling::Continuous, 0),
         BatchingMode::Static { max_wait_ms } => (Scheduling::Static, max_wait_ms),
     };
-    let config = Config {
+    Config {
         model_id: "fake".into(),
         served_model_name: "fake".into(),
         addr: ([127, 0, 0, 1], 0).into(),
@@ -131,7 +142,17 @@ async fn server_with(
             swap_space_bytes: Some(0),
             kv_admission,
         },
-    };
+        lora: Default::default(),
+    }
+}
+
+/// A test server with `config` in front of `shard`, wired by `build` as the binary is.
+pub(super) async fn start(config: Config, shard: FakeShard) -> TestServer {
+    try_start(config, shard).await.expect("the fake shard wires")
+}
+
+/// `start`, or why `build` refused.
+pub(super) async fn try_start(config: Config, shard: FakeShard) -> anyhow::Result<TestServer> {
     let model = ModelFiles {
         tokenizer: Arc::new(tokenizer()),
         tokenizer_path: None,
@@ -144,15 +165,13 @@ async fn server_with(
             .expect("valid template"),
         )),
     };
-    let Server { app, state, engine } = build(&config, Arc::new(shard.clone()), model)
-        .await
-        .expect("the fake shard wires");
-    TestServer {
+    let Server { app, state, engine } = build(&config, Arc::new(shard.clone()), model).await?;
+    Ok(TestServer {
         app,
         state,
         shard,
         engine,
-    }
+    })
 }
 
 pub(super) async fn post(app: &Router, uri: &str, body: Value) -> (StatusCode, axum::http::HeaderMap, String) {

@@ -68,6 +68,9 @@ pub struct SchedulerConfig {
     /// 0 otherwise. Blocks out of every future query's window are released (see `num_dead_blocks`), so a
     /// sequence holds only its window's blocks.
     pub kv_window: usize,
+    /// The shards' LoRA slots (Info's `max_loras`): the most distinct adapters the running sequences may
+    /// use (see `AdapterSlots`); 0 with LoRA off (every sequence then runs the base model).
+    pub max_loras: usize,
 }
 
 impl SchedulerConfig {
@@ -120,6 +123,8 @@ pub struct SeqView {
     pub is_deferred: bool,
     /// The most tokens it can reach: prompt plus `max_new_tokens` (what `KvAdmission::Reserve` reserves).
     pub max_num_tokens: usize,
+    /// The LoRA adapter it runs with (0: the base model).
+    pub adapter_id: u32,
 }
 
 /// One sequence's share of an iteration.
@@ -163,6 +168,37 @@ impl StepPlan {
 
     pub fn num_scheduled_tokens(&self) -> usize {
         self.scheduled.iter().map(|s| s.num_scheduled_tokens).sum()
+    }
+}
+
+/// The distinct LoRA adapters of the running set, bounded by `SchedulerConfig::max_loras`. A sequence
+/// joins the running set (admitted, or resumed from the swap pool) only if its adapter already runs or a
+/// slot is left; every forward call computes a subset of the running set, so none uses more adapters
+/// than the shards have slots. The base model (0) takes no slot.
+struct AdapterSlots {
+    max_loras: usize,
+    held: Vec<u32>,
+}
+
+impl AdapterSlots {
+    fn new(max_loras: usize, running: &[SeqView]) -> Self {
+        let mut held: Vec<u32> = running.iter().map(|seq| seq.adapter_id).filter(|&id| id != 0).collect();
+        held.sort_unstable();
+        held.dedup();
+        debug_assert!(held.len() <= max_loras, "the running set keeps within the slots");
+        Self { max_loras, held }
+    }
+
+    /// Whether a sequence with `adapter_id` may join the running set.
+    fn fits(&self, adapter_id: u32) -> bool {
+        adapter_id == 0 || self.held.contains(&adapter_id) || self.held.len() < self.max_loras
+    }
+
+    /// Counts `adapter_id` as running (after `fits` said yes).
+    fn take(&mut self, adapter_id: u32) {
+        if adapter_id != 0 && !self.held.contains(&adapter_id) {
+            self.held.push(adapter_id);
+        }
     }
 }
 
@@ -213,6 +249,12 @@ pub fn admission_order(waiting: &[SeqView], max_times_overtaken: u32) -> Vec<usi
 ///    With `KvAdmission::Reserve`, a request needs blocks for its `max_num_tokens` beyond what running
 ///    sequences may still grow into (no watermark: they can never run short). In static mode nothing joins
 ///    a running batch.
+/// 5. LoRA: the running set uses at most `max_loras` distinct adapters (`AdapterSlots`). A swapped or
+///    waiting sequence whose adapter would exceed them is passed over, not waited for: later sequences
+///    (of the base model, or of adapters that run) may still join, since its slot only frees once every
+///    running sequence of some adapter ends. To make sure that happens, once a sequence is passed over
+///    that way while it has a claim to go first (swapped; or waiting and overtaken too often), only
+///    base-model requests are admitted until it joins.
 pub fn schedule(
     config: &SchedulerConfig,
     running: &[SeqView],
@@ -278,6 +320,9 @@ pub fn schedule(
     if !plan.preempted.is_empty() {
         return plan;
     }
+    let mut adapter_slots = AdapterSlots::new(config.max_loras, running);
+    // Set once a sequence with a claim to go first waits for an adapter slot (see 5. above).
+    let mut is_base_only = false;
     for seq in swapped {
         if plan.scheduled.len() == config.max_batch_size || tokens_left == 0 {
             return plan;
@@ -289,6 +334,11 @@ pub fn schedule(
         if num_new_blocks + config.watermark_blocks > free_blocks {
             return plan;
         }
+        if !adapter_slots.fits(seq.adapter_id) {
+            is_base_only = true;
+            continue;
+        }
+        adapter_slots.take(seq.adapter_id);
         free_blocks -= num_new_blocks;
         tokens_left -= num_tokens;
         plan.resumed.push(seq.id);
@@ -328,7 +378,12 @@ pub fn schedule(
         if plan.scheduled.len() == config.max_batch_size || tokens_left == 0 {
             break;
         }
-        if seq.is_deferred {
+        if seq.is_deferred || (is_base_only && seq.adapter_id != 0) {
+            continue;
+        }
+        if !adapter_slots.fits(seq.adapter_id) {
+            // Passed over, not waited for: admission goes on with the requests behind it.
+            is_base_only |= seq.num_times_overtaken >= config.max_times_overtaken;
             continue;
         }
         let num_tokens = (seq.num_tokens - seq.num_computed_tokens).min(tokens_left);
@@ -344,6 +399,7 @@ pub fn schedule(
         if num_claimed_blocks + watermark_blocks > free_blocks {
             break;
         }
+        adapter_slots.take(seq.adapter_id);
         free_blocks -= num_claimed_blocks;
         tokens_left -= num_tokens;
         plan.admitted.push(seq.id);

@@ -165,6 +165,7 @@ mod tests {
             kv_admission: KvAdmission::Incremental,
             max_times_overtaken: 8,
             kv_window: 0,
+            max_loras: 0,
         };
         let preemption = PreemptionConfig {
             mode,

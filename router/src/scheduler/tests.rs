@@ -15,6 +15,7 @@ fn config(max_batch_tokens: usize, max_batch_size: usize) -> SchedulerConfig {
         kv_admission: KvAdmission::Incremental,
         max_times_overtaken: 8,
         kv_window: 0,
+        max_loras: 0,
     }
 }
 
@@ -32,6 +33,7 @@ pub(super) fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_bl
         num_cached_evictable: 0,
         is_deferred: false,
         max_num_tokens: num_tokens,
+        adapter_id: 0,
     }
 }
 
@@ -144,6 +146,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             },
             max_times_overtaken: 4,
             kv_window: 0,
+            max_loras: rng.random_range(0..3),
         };
         let num_requests = rng.random_range(1..40);
         // Every request must fit the pool alone, as validation guarantees.
@@ -166,6 +169,9 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 let num_final_tokens = prompt + rng.random_range(1..=(max_len - prompt));
                 let mut view = with_priority(seq(next_arrival, prompt, 0, 0), rng.random_range(0..3));
                 view.max_num_tokens = num_final_tokens;
+                if cfg.max_loras > 0 {
+                    view.adapter_id = rng.random_range(0..5);
+                }
                 waiting.push_back(SimSeq {
                     view,
                     num_final_tokens,
@@ -211,8 +217,11 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             for w in waiting.iter_mut() {
                 let overtakers = plan.admitted.iter().filter(|a| **a > w.view.id).count() as u32;
                 w.view.num_times_overtaken += overtakers;
+                // A request waiting for an adapter slot is passed over until one frees (base requests
+                // still overtake it); that it finishes at all is checked at the end.
                 assert!(
-                    w.view.num_times_overtaken <= cfg.max_times_overtaken + cfg.max_batch_size as u32,
+                    w.view.adapter_id != 0
+                        || w.view.num_times_overtaken <= cfg.max_times_overtaken + cfg.max_batch_size as u32,
                     "request {} starves: overtaken {} times",
                     w.view.id,
                     w.view.num_times_overtaken
@@ -259,6 +268,10 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 !done
             });
             allocator.check_invariants();
+            let mut adapters: Vec<u32> = running.iter().map(|s| s.view.adapter_id).filter(|&a| a != 0).collect();
+            adapters.sort_unstable();
+            adapters.dedup();
+            assert!(adapters.len() <= cfg.max_loras, "running adapters {adapters:?}");
             let num_held: usize = running.iter().map(|s| s.blocks.len()).sum();
             assert_eq!(
                 num_held as u32,
@@ -448,4 +461,62 @@ fn a_windowed_victim_swaps_only_its_live_blocks() {
     let plan = scheduler.plan(&[a, b], &[], &[], 0, 3);
     assert_eq!(plan.preempted, vec![RequestId(2)]);
     assert_eq!(plan.swapped_out, vec![RequestId(2)]);
+}
+
+fn with_adapter(mut view: SeqView, adapter_id: u32) -> SeqView {
+    view.adapter_id = adapter_id;
+    view
+}
+
+#[test]
+fn a_request_over_the_adapter_bound_waits_and_later_ones_pass_it() {
+    let mut cfg = config(64, 8);
+    cfg.max_loras = 2;
+    let running = [with_adapter(seq(1, 5, 4, 1), 1), with_adapter(seq(2, 5, 4, 1), 2)];
+    let waiting = [
+        with_adapter(seq(3, 4, 0, 0), 3),
+        seq(4, 4, 0, 0),
+        with_adapter(seq(5, 4, 0, 0), 1),
+        with_adapter(seq(6, 4, 0, 0), 4),
+    ];
+    let plan = schedule(&cfg, &running, &[], &waiting, 100);
+    assert_eq!(
+        plan.admitted,
+        vec![RequestId(4), RequestId(5)],
+        "3 and 6 need a third slot; the base request and adapter 1's are admitted"
+    );
+    // Once adapter 2's sequence has ended, a slot is free: 3 (the oldest) takes it, and 6 waits.
+    let plan = schedule(&cfg, &running[..1], &[], &waiting, 100);
+    assert_eq!(plan.admitted, vec![RequestId(3), RequestId(4), RequestId(5)]);
+    // LoRA off: every sequence runs the base model.
+    let plan = schedule(&config(64, 8), &[], &[], &[seq(7, 4, 0, 0)], 100);
+    assert_eq!(plan.admitted, vec![RequestId(7)]);
+}
+
+#[test]
+fn a_starving_request_over_the_adapter_bound_lets_only_base_requests_pass() {
+    let mut cfg = config(64, 8);
+    cfg.max_loras = 1;
+    let running = [with_adapter(seq(1, 5, 4, 1), 1)];
+    let mut starving = with_adapter(seq(2, 4, 0, 0), 2);
+    starving.num_times_overtaken = cfg.max_times_overtaken;
+    let waiting = [starving, with_adapter(seq(3, 4, 0, 0), 1), seq(4, 4, 0, 0)];
+    let plan = schedule(&cfg, &running, &[], &waiting, 100);
+    assert_eq!(
+        plan.admitted,
+        vec![RequestId(4)],
+        "adapter 1 gets no new request, so that its slot frees for 2"
+    );
+}
+
+#[test]
+fn a_swapped_sequence_resumes_only_within_the_adapter_bound() {
+    let mut cfg = config(64, 8);
+    cfg.max_loras = 1;
+    let running = [with_adapter(seq(1, 5, 4, 1), 1)];
+    let swapped = [with_adapter(seq(2, 9, 8, 0), 2), with_adapter(seq(3, 9, 8, 0), 1)];
+    let waiting = [with_adapter(seq(4, 4, 0, 0), 1), seq(5, 4, 0, 0)];
+    let plan = schedule(&cfg, &running, &swapped, &waiting, 100);
+    assert_eq!(plan.resumed, vec![RequestId(3)], "2 waits for adapter 1 to end");
+    assert_eq!(plan.admitted, vec![RequestId(5)], "only base requests join meanwhile");
 }

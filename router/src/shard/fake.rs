@@ -3,6 +3,9 @@
 //! Its "KV pool" stores the token id written at each slot (and its swap pool copies them), and every
 //! call checks that each sequence's block table still holds, at every computed position the fake
 //! wrote for it, the token it wrote there: a wrong block table, a lost or misplaced swap fails the call.
+//! With LoRA slots (`with_lora`) it loads adapters (any path but one containing `missing`), and fails a
+//! call whose sequences name an adapter it does not hold or more distinct adapters than it has slots, or
+//! that unloads an adapter it does not hold.
 
 use std::{
     collections::HashMap,
@@ -28,6 +31,12 @@ struct FakeState {
     written: HashMap<u64, HashMap<usize, u32>>,
     /// The most blocks (null entries aside) a decode chunk's block table has named.
     max_decode_blocks: usize,
+    /// Loaded LoRA adapters: id -> path.
+    adapters: HashMap<u32, String>,
+    /// Each known sequence's adapter (0: the base model).
+    adapter_of: HashMap<u64, u32>,
+    /// The most distinct adapters one call has used.
+    max_adapters_per_call: usize,
 }
 
 #[derive(Clone)]
@@ -38,6 +47,8 @@ pub struct FakeShard {
     /// Every layer's sliding window in tokens (0: full attention). With one, block-table entries out of
     /// the window may be the null block, and only positions in the window are checked.
     window: u32,
+    /// LoRA slots (Info's `max_loras`); 0: LoRA off.
+    max_loras: u32,
     state: Arc<Mutex<FakeState>>,
 }
 
@@ -48,6 +59,7 @@ impl FakeShard {
             num_host_blocks: 0,
             block_size,
             window: 0,
+            max_loras: 0,
             state: Arc::default(),
         }
     }
@@ -62,6 +74,22 @@ impl FakeShard {
     pub fn with_swap_pool(mut self, num_host_blocks: u32) -> Self {
         self.num_host_blocks = num_host_blocks;
         self
+    }
+
+    /// With `max_loras` LoRA slots.
+    pub fn with_lora(mut self, max_loras: u32) -> Self {
+        self.max_loras = max_loras;
+        self
+    }
+
+    /// The adapters loaded now, by id.
+    pub fn adapters(&self) -> HashMap<u32, String> {
+        self.state.lock().expect("not poisoned").adapters.clone()
+    }
+
+    /// The most distinct adapters one forward call has used so far.
+    pub fn max_adapters_per_call(&self) -> usize {
+        self.state.lock().expect("not poisoned").max_adapters_per_call
     }
 
     /// The most blocks (null entries aside) a decode chunk's block table has named so far.
@@ -81,6 +109,12 @@ impl FakeShard {
         for id in &request.released_ids {
             state.known.remove(id);
             state.written.remove(id);
+            state.adapter_of.remove(id);
+        }
+        for id in &request.unloaded_adapter_ids {
+            if state.adapters.remove(id).is_none() {
+                return Err(invalid(format!("unloads adapter {id}, which is not loaded")));
+            }
         }
         let block_size = self.block_size as usize;
         for (copies, is_out) in [(&request.swap_out, true), (&request.swap_in, false)] {
@@ -109,9 +143,21 @@ impl FakeShard {
             }
         }
         let mut generations = Vec::new();
+        let mut adapters_used = std::collections::HashSet::new();
         for chunk in &request.sequences {
             if let Some(params) = chunk.params.clone() {
                 state.known.insert(chunk.id, params);
+                state.adapter_of.insert(chunk.id, chunk.adapter_id);
+            }
+            let adapter = state.adapter_of.get(&chunk.id).copied().unwrap_or(0);
+            if adapter != 0 {
+                if !state.adapters.contains_key(&adapter) {
+                    return Err(invalid(format!(
+                        "sequence {} names adapter {adapter}, not loaded",
+                        chunk.id
+                    )));
+                }
+                adapters_used.insert(adapter);
             }
             if !state.known.contains_key(&chunk.id) {
                 return Err(invalid(format!("sequence {} has no params", chunk.id)));
@@ -160,6 +206,14 @@ impl FakeShard {
                 });
             }
         }
+        if adapters_used.len() > self.max_loras as usize {
+            return Err(invalid(format!(
+                "the call uses {} adapters, more than its {} slots",
+                adapters_used.len(),
+                self.max_loras
+            )));
+        }
+        state.max_adapters_per_call = state.max_adapters_per_call.max(adapters_used.len());
         Ok(pb::ForwardResponse {
             generations,
             forward_time_us: 1,
@@ -180,6 +234,8 @@ impl ShardClient for FakeShard {
             world_size: 1,
             architecture: "FakeForCausalLM".into(),
             sliding_windows: vec![self.window, self.window],
+            max_loras: self.max_loras,
+            max_lora_rank: 16,
         };
         async move { Ok(info) }.boxed()
     }
@@ -217,6 +273,35 @@ impl ShardClient for FakeShard {
         let mut state = self.state.lock().expect("not poisoned");
         state.known.clear();
         state.written.clear();
+        state.adapter_of.clear();
         async { Ok(()) }.boxed()
+    }
+
+    fn load_adapter(
+        &self,
+        request: pb::LoadAdapterRequest,
+    ) -> BoxFuture<'_, Result<pb::LoadAdapterResponse, ShardError>> {
+        let mut state = self.state.lock().expect("not poisoned");
+        let result = if self.max_loras == 0 {
+            Err(ShardError::Refused {
+                rank: 0,
+                message: "LoRA is off: start the shard with --max-loras".into(),
+            })
+        } else if request.path.contains("missing") {
+            Err(ShardError::Refused {
+                rank: 0,
+                message: format!("{} has no adapter_config.json", request.path),
+            })
+        } else {
+            assert!(
+                state.adapters.insert(request.adapter_id, request.path).is_none(),
+                "adapter ids are never reused"
+            );
+            Ok(pb::LoadAdapterResponse {
+                rank: 8,
+                target_modules: vec!["q_proj".into(), "v_proj".into()],
+            })
+        };
+        async move { result }.boxed()
     }
 }

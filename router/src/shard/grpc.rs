@@ -25,6 +25,9 @@ use crate::telemetry;
 const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// Deadline of the cheap calls (Info, Health, ClearCache).
 const SMALL_CALL_DEADLINE: Duration = Duration::from_secs(10);
+/// Deadline of LoadAdapter: reading an adapter's safetensors (rank 64 on every projection of a large
+/// model is gigabytes).
+const LOAD_ADAPTER_DEADLINE: Duration = Duration::from_secs(300);
 /// Deadline of Warmup: a forward at the largest batch, pool allocation, swap measurement, CUDA graphs.
 const WARMUP_DEADLINE: Duration = Duration::from_secs(600);
 /// A forward call's automatic deadline: this multiple of the slowest forward measured so far (the warmup's
@@ -116,9 +119,15 @@ impl GrpcShards {
             })?;
         let mut first = None;
         for (rank, reply) in replies.into_iter().enumerate() {
-            let reply = reply.map_err(|status| ShardError::Rpc {
-                rank,
-                message: format!("{}: {}", status.code(), status.message()),
+            let reply = reply.map_err(|status| match status.code() {
+                tonic::Code::InvalidArgument => ShardError::Refused {
+                    rank,
+                    message: status.message().into(),
+                },
+                code => ShardError::Rpc {
+                    rank,
+                    message: format!("{code}: {}", status.message()),
+                },
             })?;
             if rank == 0 {
                 first = Some(reply.into_inner());
@@ -213,6 +222,17 @@ impl ShardClient for GrpcShards {
             .await
             .map(|_| ())
         }
+        .boxed()
+    }
+
+    fn load_adapter(
+        &self,
+        request: pb::LoadAdapterRequest,
+    ) -> BoxFuture<'_, Result<pb::LoadAdapterResponse, ShardError>> {
+        self.broadcast("LoadAdapter", LOAD_ADAPTER_DEADLINE, move |mut c| {
+            let request = request.clone();
+            async move { c.load_adapter(request).await }
+        })
         .boxed()
     }
 }

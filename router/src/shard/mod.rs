@@ -21,6 +21,9 @@ pub enum ShardError {
     Connect { path: String, message: String },
     #[error("shard rank {rank} failed: {message}")]
     Rpc { rank: usize, message: String },
+    /// The shard refused the call's argument (gRPC INVALID_ARGUMENT): `message` is its reason.
+    #[error("shard rank {rank} refused: {message}")]
+    Refused { rank: usize, message: String },
     #[error("shard call {call} missed its {seconds:.1} s deadline: a shard is hung or stopped")]
     Timeout { call: &'static str, seconds: f64 },
 }
@@ -38,4 +41,9 @@ pub trait ShardClient: Send + Sync {
         is_decode: bool,
     ) -> BoxFuture<'_, Result<pb::ForwardResponse, ShardError>>;
     fn clear_cache(&self) -> BoxFuture<'_, Result<(), ShardError>>;
+    /// Loads a LoRA adapter on every rank under the router's id; fails unless every rank loaded it.
+    fn load_adapter(
+        &self,
+        request: pb::LoadAdapterRequest,
+    ) -> BoxFuture<'_, Result<pb::LoadAdapterResponse, ShardError>>;
 }

@@ -36,7 +36,7 @@ use super::{
     chat::{constrain_output, AnswerReader},
     collect, compat,
     error::AnthropicError,
-    openai::{check_model, uuid_like},
+    openai::{resolve_model, uuid_like},
     submit,
     tools::OfferedTools,
     ApiError, AppState, RequestTag,
@@ -45,6 +45,7 @@ use crate::{
     api::anthropic::{Message, MessagesRequest, OutputFormat, StreamEvent, ThinkingConfig, TokenCount},
     engine::{EngineError, EventReceiver},
     grammar::GrammarSpec,
+    lora::AdapterRef,
     validation::{CachePin, GenerateInput, Prompt},
 };
 
@@ -54,6 +55,8 @@ struct Rendered {
     tools: Option<OfferedTools>,
     /// With `cache_control`: the pin that keeps this conversation's prefix for its next turn.
     cache_pin: Option<CachePin>,
+    /// The LoRA adapter `model` names; None = the base model.
+    adapter: Option<AdapterRef>,
 }
 
 /// The pin a request with `cache_control` asks for: its breakpoints' longest TTL, keyed by what starts
@@ -72,7 +75,7 @@ fn cache_pin(conversation: &Conversation) -> Option<CachePin> {
 }
 
 fn render(state: &AppState, tag: &RequestTag, request: &MessagesRequest) -> Result<Rendered, ApiError> {
-    check_model(state, &Some(request.model.clone()))?;
+    let adapter = resolve_model(state, Some(&request.model))?;
     compat::ignore_unknown(&state.engine.metrics, tag, &request.unknown);
     let conversation = convert(request)?;
     let mut variables = serde_json::Map::new();
@@ -89,6 +92,7 @@ fn render(state: &AppState, tag: &RequestTag, request: &MessagesRequest) -> Resu
         prompt: state.render_chat(&conversation.messages, true, &variables)?,
         cache_pin: cache_pin(&conversation),
         tools: conversation.tools,
+        adapter,
     })
 }
 
@@ -129,6 +133,7 @@ pub async fn messages(
     input.top_k = request.top_k;
     input.stop = request.stop_sequences.clone().unwrap_or_default();
     input.cache_pin = rendered.cache_pin;
+    input.adapter = rendered.adapter;
     let permit = acquire(&state, 1)?;
     let (valid, receivers) = submit(&state, &tag, input, 1).await?;
     let receiver = receivers.into_iter().next().expect("one choice was submitted");
