@@ -254,7 +254,8 @@ impl Sequence {
             sample,
             params,
             cached_token_ids,
-            adapter_id: self.adapter_id(),
+            // With `params` only, as the contract says; the shard keeps it with them.
+            adapter_id: if is_first_call { self.adapter_id() } else { 0 },
             allowed_token_bitmask: if sample && self.grammar.is_some() {
                 let started = Instant::now();
                 let mask = self.allowed_tokens(eos_token_ids);

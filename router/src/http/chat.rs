@@ -13,7 +13,7 @@ use super::{
     acquire, compat,
     error::OpenAiError,
     guided,
-    openai::{apply_sampling, finish_reason, resolve_model, uuid_like},
+    openai::{answering_model, apply_sampling, finish_reason, resolve_model, uuid_like},
     responder::{respond, OpenAiFormat, ResponseHead, Submitted},
     submit,
     tools::OfferedTools,
@@ -280,6 +280,7 @@ pub async fn chat_completions(
     input.top_n_tokens = request.top_logprobs.unwrap_or(0);
     let n = apply_sampling(&mut input, &request.sampling)?;
     compat::check_inert(&request.inert)?;
+    let model = answering_model(&state, adapter.as_ref());
     input.adapter = adapter;
     let permit = acquire(&state, n)?;
     let (valid, receivers) = submit(&state, &tag, input, n).await?;
@@ -291,6 +292,7 @@ pub async fn chat_completions(
     let submitted = Submitted {
         receivers,
         n,
+        model,
         num_prompt_tokens: valid.prompt_ids.len() as u32,
         permit,
     };

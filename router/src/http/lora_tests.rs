@@ -130,6 +130,7 @@ async fn model_and_adapter_id_select_an_adapter_and_unknown_names_get_404() {
     let server = two_adapters().await;
     let (status, body) = completion(&server, "sql", "w1 w2").await;
     assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["model"], "sql", "the answer names the adapter, as vLLM's does");
     assert_eq!(
         server.shard.max_adapters_per_call(),
         1,
@@ -150,7 +151,10 @@ async fn model_and_adapter_id_select_an_adapter_and_unknown_names_get_404() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(body["error"].as_str().expect("message").contains("`nope`"), "{body}");
     let anthropic = json!({"model": "chat", "max_tokens": 1, "messages": [{"role": "user", "content": "w1"}]});
-    assert_eq!(post(&server.app, "/v1/messages", anthropic).await.0, StatusCode::OK);
+    let (status, _, body) = post(&server.app, "/v1/messages", anthropic).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let body: Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(body["model"], "chat", "the answer names the adapter");
     let text = metrics(&server).await;
     assert!(text.contains(r#"rill_lora_requests_total{adapter="chat"} 2"#), "{text}");
     assert!(text.contains(r#"rill_lora_requests_total{adapter="sql"} 1"#), "{text}");

@@ -61,6 +61,11 @@ pub(super) fn resolve_model(state: &AppState, model: Option<&str>) -> Result<Opt
     }
 }
 
+/// The `model` a response names: the adapter's when the request ran one, else the served model's.
+pub(super) fn answering_model(state: &AppState, adapter: Option<&AdapterRef>) -> String {
+    adapter.map_or_else(|| state.served_model_name.clone(), |adapter| adapter.name.to_string())
+}
+
 /// The 404 of a model name that is neither the served model's nor a LoRA adapter's: it lists those.
 fn model_not_found(state: &AppState, model: &str) -> ApiError {
     let adapters: Vec<String> = state
@@ -231,6 +236,7 @@ pub async fn completions(
     let submitted = Submitted {
         receivers,
         n,
+        model: answering_model(&state, adapter.as_ref()),
         num_prompt_tokens,
         permit,
     };

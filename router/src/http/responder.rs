@@ -61,6 +61,8 @@ pub(super) struct Submitted {
     pub receivers: Vec<EventReceiver>,
     /// Choices per prompt.
     pub n: u32,
+    /// The `model` the response names (`openai::answering_model`).
+    pub model: String,
     /// Prompt tokens over all prompts.
     pub num_prompt_tokens: u32,
     /// The admission permits of the choices, held until the response is complete.
@@ -78,7 +80,7 @@ pub(super) async fn respond<F: OpenAiFormat>(
     let head = ResponseHead {
         id: format!("{}-{}", F::ID_PREFIX, uuid_like()),
         created: super::openai::now(),
-        model: state.served_model_name.clone(),
+        model: submitted.model.clone(),
     };
     if stream {
         return Ok(respond_streaming(state, format, head, submitted, options));
@@ -113,6 +115,7 @@ fn respond_streaming<F: OpenAiFormat>(
         n,
         num_prompt_tokens,
         permit,
+        ..
     } = submitted;
     let include_usage = options.is_some_and(|o| o.include_usage);
     let mut stream_usage = StreamUsage::new(num_prompt_tokens, options);

@@ -39,7 +39,7 @@ use super::{
     compat,
     error::OpenAiError,
     guided,
-    openai::{apply_sampling, now, resolve_model, uuid_like},
+    openai::{answering_model, apply_sampling, now, resolve_model, uuid_like},
     response_store::ResponseStore,
     submit,
     tools::OfferedTools,
@@ -86,7 +86,7 @@ fn json_len(value: &impl serde::Serialize) -> usize {
 pub type Store = std::sync::Mutex<ResponseStore<StoredResponse>>;
 
 /// The response object before any output: what the request asked, echoed.
-fn response_head(state: &AppState, request: &CreateResponseRequest, tools: Vec<FunctionTool>) -> ResponseObject {
+fn response_head(model: String, request: &CreateResponseRequest, tools: Vec<FunctionTool>) -> ResponseObject {
     ResponseObject {
         id: format!("resp_{}", uuid_like()),
         object: "response",
@@ -96,7 +96,7 @@ fn response_head(state: &AppState, request: &CreateResponseRequest, tools: Vec<F
         incomplete_details: None,
         instructions: request.instructions.clone(),
         max_output_tokens: request.max_output_tokens,
-        model: state.served_model_name.clone(),
+        model,
         output: Vec::new(),
         parallel_tool_calls: request.parallel_tool_calls.unwrap_or(true),
         previous_response_id: request.previous_response_id.clone(),
@@ -302,7 +302,7 @@ pub async fn create(
     }
     // A stored response's prefix stays pinned (`--cache-pin-ttl`) for the next turn, under the
     // client's `prompt_cache_key` or else the conversation's first response.
-    let head = response_head(&state, &request, tools);
+    let head = response_head(answering_model(&state, adapter.as_ref()), &request, tools);
     let session = match &previous {
         Some(previous) => previous.session.clone(),
         None => head.id.clone(),

@@ -145,6 +145,12 @@ impl FakeShard {
         let mut generations = Vec::new();
         let mut adapters_used = std::collections::HashSet::new();
         for chunk in &request.sequences {
+            if chunk.params.is_none() && chunk.adapter_id != 0 {
+                return Err(invalid(format!(
+                    "sequence {}: adapter_id sent without params",
+                    chunk.id
+                )));
+            }
             if let Some(params) = chunk.params.clone() {
                 state.known.insert(chunk.id, params);
                 state.adapter_of.insert(chunk.id, chunk.adapter_id);

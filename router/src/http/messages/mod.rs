@@ -36,7 +36,7 @@ use super::{
     chat::{constrain_output, AnswerReader},
     collect, compat,
     error::AnthropicError,
-    openai::{resolve_model, uuid_like},
+    openai::{answering_model, resolve_model, uuid_like},
     submit,
     tools::OfferedTools,
     ApiError, AppState, RequestTag,
@@ -133,13 +133,14 @@ pub async fn messages(
     input.top_k = request.top_k;
     input.stop = request.stop_sequences.clone().unwrap_or_default();
     input.cache_pin = rendered.cache_pin;
+    let model = answering_model(&state, rendered.adapter.as_ref());
     input.adapter = rendered.adapter;
     let permit = acquire(&state, 1)?;
     let (valid, receivers) = submit(&state, &tag, input, 1).await?;
     let receiver = receivers.into_iter().next().expect("one choice was submitted");
     let builder = MessageBuilder::new(
         format!("msg_{}", uuid_like()),
-        state.served_model_name.clone(),
+        model,
         reader,
         valid.prompt_ids.len() as u32,
     );
