@@ -8,7 +8,10 @@ use axum::http::StatusCode;
 use serde_json::{json, Value};
 
 use super::tests::{idle_free_blocks, post, server, submit_direct};
-use crate::{metrics::PinRelease, validation::ValidCachePin};
+use crate::{
+    metrics::PinRelease,
+    validation::{GenerateInput, Prompt, ValidCachePin},
+};
 
 /// A greedy completion of `prompt` for `max_tokens` tokens, pinned under `key` when given.
 async fn complete(app: &axum::Router, prompt: &str, max_tokens: u32, key: Option<&str>) -> Value {
@@ -95,20 +98,42 @@ async fn under_memory_pressure_pins_are_released_before_anything_is_preempted() 
     let metrics = &server.state.engine.metrics;
     complete(app, &words(1, 8), 4, Some("s")).await;
     check_pins(&server, (1, 2)).await;
-    // Two sequences of 18 + 4 tokens (6 blocks each) need the whole pool: the pin gives way.
-    let tasks: Vec<_> = [3u32, 6]
+    // Two sequences of 18 + 4 tokens (6 blocks each) need the whole pool: the pin gives way. Both are
+    // validated first, then handed to the engine back to back, so they always run at the same time (sent
+    // over HTTP, the first could finish before the second was tokenized on a busy machine).
+    let mut valid = Vec::new();
+    for word in [3u32, 6] {
+        let prompt = vec![format!("w{word}"); 18].join(" ");
+        let input = GenerateInput::new(
+            Prompt::Text {
+                text: prompt,
+                add_special_tokens: true,
+            },
+            "inputs",
+            "max_new_tokens",
+        );
+        let mut request = server.state.validator.validate(input).await.expect("valid");
+        request.max_new_tokens = 4;
+        request.ignore_eos = true;
+        valid.push(request);
+    }
+    let receivers: Vec<_> = valid
         .into_iter()
-        .map(|word| {
-            let app = server.app.clone();
-            tokio::spawn(async move {
-                let prompt = vec![format!("w{word}"); 18].join(" ");
-                complete(&app, &prompt, 4, None).await
-            })
+        .map(|request| {
+            server
+                .state
+                .engine
+                .submit_n(request, 1, None, "test".into())
+                .expect("submitted")
         })
         .collect();
-    for (task, word) in tasks.into_iter().zip([3u32, 6]) {
-        let body = task.await.expect("task");
-        assert_eq!(body["choices"][0]["text"], format!(" {}", words(word + 1, word + 4)));
+    for (mut receivers, word) in receivers.into_iter().zip([3u32, 6]) {
+        let mut receiver = receivers.pop().expect("one choice");
+        let mut text = String::new();
+        while let Some(event) = receiver.recv().await {
+            text.push_str(&event.expect("no error").text);
+        }
+        assert_eq!(text, format!(" {}", words(word + 1, word + 4)));
     }
     check_pins(&server, (0, 0)).await;
     assert_eq!(preemptions(&server), 0);
