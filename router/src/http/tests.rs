@@ -566,6 +566,31 @@ async fn metrics_count_outcomes_and_latencies() {
     assert!(text.contains("rill_engine_planning_seconds_total"), "{text}");
 }
 
+/// The text of `GET /metrics`.
+async fn metrics_text(app: &Router) -> String {
+    let request = Request::builder()
+        .uri("/metrics")
+        .body(Body::empty())
+        .expect("valid request");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    String::from_utf8(response.into_body().collect().await.expect("body").to_bytes().to_vec()).expect("utf-8")
+}
+
+#[tokio::test]
+async fn idle_cached_blocks_leave_the_kv_usage_at_zero() {
+    let server = server(64, 16).await;
+    generate(&server.app, "w1 w2 w3 w4 w5 w6 w7 w8 w9", 2).await;
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    let text = metrics_text(&server.app).await;
+    // Two full blocks of the prompt stay cached, idle: new work may evict them, so they are not usage.
+    assert!(text.contains("rill_prefix_cache_blocks 2"), "{text}");
+    assert!(text.contains("rill_kv_cache_usage_ratio 0\n"), "{text}");
+    assert!(
+        text.contains("rill_kv_cache_config_info{block_size=\"4\",num_gpu_blocks=\"63\"} 1"),
+        "{text}"
+    );
+}
+
 #[tokio::test]
 async fn a_dropped_stream_is_cancelled_and_frees_its_blocks() {
     let server = server(64, 16).await;
