@@ -157,6 +157,7 @@ pub fn app(state: AppState) -> Router {
         .route("/ready", get(service::ready))
         .route("/metrics", get(service::metrics))
         .route("/info", get(service::info))
+        .route("/v1/loads", get(service::loads))
         .route("/openapi.json", get(service::openapi))
         .route("/docs", get(service::docs))
         .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))

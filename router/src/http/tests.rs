@@ -525,6 +525,7 @@ async fn openapi_document_lists_every_route() {
         "/v1/models",
         "/tokenize",
         "/info",
+        "/v1/loads",
     ] {
         assert!(
             doc["paths"].get(path).is_some(),
@@ -588,6 +589,33 @@ async fn idle_cached_blocks_leave_the_kv_usage_at_zero() {
     assert!(
         text.contains("rill_kv_cache_config_info{block_size=\"4\",num_gpu_blocks=\"63\"} 1"),
         "{text}"
+    );
+}
+
+#[tokio::test]
+async fn loads_report_the_pool_and_the_prefix_hits_in_sglangs_schema() {
+    let server = server(64, 16).await;
+    for _ in 0..2 {
+        generate(&server.app, "w1 w2 w3 w4 w5 w6 w7 w8 w9", 2).await;
+    }
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    let loads = get(&server.app, "/v1/loads?include=core,disagg,queues,memory").await;
+    assert_eq!(loads["dp_rank_count"], 1);
+    assert!(loads["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')), "{loads}");
+    // The second request found the first's two full blocks: 8 of the 18 prompt tokens looked up.
+    assert_eq!(
+        loads["loads"],
+        json!([{
+            "dp_rank": 0,
+            "num_running_reqs": 0,
+            "num_waiting_reqs": 0,
+            "num_total_reqs": 0,
+            "num_used_tokens": 0,
+            "max_total_num_tokens": 63 * 4,
+            "token_usage": 0.0,
+            "cache_hit_rate": 8.0 / 18.0,
+            "max_running_requests": 8,
+        }])
     );
 }
 
