@@ -282,6 +282,8 @@ pub async fn detokenize(
         super::native::generate_stream,
         super::openai::completions,
         super::chat::chat_completions,
+        super::render::completions,
+        super::render::chat_completions,
         super::messages::messages,
         super::messages::count_tokens,
         super::responses::create,

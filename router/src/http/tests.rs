@@ -510,6 +510,84 @@ async fn tokenize_and_detokenize_round_trip() {
 }
 
 #[tokio::test]
+async fn render_shows_the_prompt_ids_the_real_requests_prefill() {
+    let server = server(64, 16).await;
+    let messages = json!([{"role": "user", "content": "w7 w8"}]);
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/chat/completions/render",
+        json!({"messages": messages, "temperature": 0, "n": 2, "cache_salt": "s", "stream": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let rendered: Value = serde_json::from_str(&text).expect("json");
+    // The template renders "w7 w8 w0", as /tokenize shows.
+    assert_eq!(rendered["token_ids"], json!([7, 8, 0]));
+    let (_, _, text) = post(&server.app, "/tokenize", json!({"messages": messages})).await;
+    let tokens: Value = serde_json::from_str(&text).expect("json");
+    let ids: Vec<Value> = tokens["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t["id"].clone())
+        .collect();
+    assert_eq!(rendered["token_ids"], json!(ids));
+    assert!(
+        rendered["request_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("chatcmpl-")),
+        "{rendered}"
+    );
+    assert_eq!(rendered["model"], "fake");
+    assert_eq!(rendered["features"], Value::Null);
+    assert_eq!(rendered["stream"], true);
+    assert_eq!(rendered["cache_salt"], "s");
+    assert_eq!(rendered["sampling_params"]["n"], 2);
+    assert_eq!(rendered["sampling_params"]["temperature"], 0.0);
+    assert_eq!(rendered["sampling_params"]["seed"], Value::Null);
+
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/completions/render",
+        json!({"prompt": ["w4 w5", "w6"], "max_tokens": 3, "seed": 9, "stop": ["w9"]}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let rendered: Value = serde_json::from_str(&text).expect("json");
+    let rendered = rendered.as_array().expect("one per prompt");
+    assert_eq!(rendered.len(), 2);
+    assert_eq!(rendered[0]["token_ids"], json!([4, 5]));
+    assert_eq!(rendered[1]["token_ids"], json!([6]));
+    assert!(rendered[1]["request_id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("cmpl-")));
+    assert_eq!(rendered[0]["sampling_params"]["max_tokens"], 3);
+    assert_eq!(rendered[0]["sampling_params"]["seed"], 9);
+    assert_eq!(rendered[0]["sampling_params"]["stop"], json!(["w9"]));
+    assert_eq!(rendered[0]["sampling_params"]["temperature"], 1.0);
+    // Rendering runs nothing.
+    assert_eq!(server.state.engine.metrics.generated_tokens.get(), 0);
+}
+
+#[tokio::test]
+async fn render_refuses_what_the_real_requests_refuse() {
+    let server = server(64, 16).await;
+    for (uri, body, field) in [
+        ("/v1/chat/completions/render", json!({"messages": []}), "messages"),
+        ("/v1/completions/render", json!({"prompt": "w1 ".repeat(65)}), "prompt"),
+        (
+            "/v1/completions/render",
+            json!({"prompt": "w1", "model": "other"}),
+            "other",
+        ),
+    ] {
+        let (status, _, text) = post(&server.app, uri, body).await;
+        assert!(status.is_client_error(), "{uri}: {status} {text}");
+        assert!(text.contains(field), "{uri}: {text}");
+    }
+}
+
+#[tokio::test]
 async fn openapi_document_lists_every_route() {
     let server = server(64, 16).await;
     let doc = get(&server.app, "/openapi.json").await;
@@ -518,6 +596,8 @@ async fn openapi_document_lists_every_route() {
         "/generate_stream",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
         "/v1/messages",
         "/v1/messages/count_tokens",
         "/v1/responses",
