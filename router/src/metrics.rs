@@ -3,8 +3,8 @@
 //! saturation (queue depth, running sequences, free KV blocks), histograms for latencies and step sizes.
 
 use prometheus::{
-    core::Collector, exponential_buckets, Counter, Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec,
-    IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    core::Collector, exponential_buckets, Counter, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec,
+    IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Request outcomes, the label values of `rill_requests_total`.
@@ -71,6 +71,14 @@ pub struct Metrics {
     /// Cached blocks no sequence holds: they serve prefix hits and are evicted when blocks run short.
     pub kv_blocks_cached_idle: IntGauge,
     pub prefix_cache_blocks: IntGauge,
+    /// Share (0 to 1) of the usable KV blocks that sequences hold: vLLM's `vllm:kv_cache_usage_perc`, the
+    /// gauge gateways balance by. Idle cached blocks do not count (an allocation evicts them), so it reads
+    /// how full the pool is for new work.
+    pub kv_cache_usage: Gauge,
+    /// vLLM's `vllm:cache_config_info` in Rill's name (`set_kv_cache_config`): one series at a time.
+    kv_cache_config_info: IntGaugeVec,
+    /// The labels of its series now: block size and usable blocks.
+    kv_cache_config_labels: std::sync::Mutex<Option<(usize, u32)>>,
     /// Session pins in force, and the cached blocks they keep from eviction.
     pub kv_pins: IntGauge,
     pub kv_pinned_blocks: IntGauge,
@@ -196,6 +204,26 @@ impl Metrics {
                 "Cached KV blocks no sequence holds (evictable; pinned ones last)",
             ),
             prefix_cache_blocks: gauge(&registry, "rill_prefix_cache_blocks", "KV blocks in the prefix cache"),
+            kv_cache_usage: register(
+                &registry,
+                Gauge::new(
+                    "rill_kv_cache_usage_ratio",
+                    "Share (0 to 1) of the usable KV blocks sequences hold (idle cached blocks do not count)",
+                )
+                .expect("valid gauge"),
+            ),
+            kv_cache_config_info: register(
+                &registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "rill_kv_cache_config_info",
+                        "The KV pool's block size in tokens and its usable blocks (labels; the value is 1)",
+                    ),
+                    &["block_size", "num_gpu_blocks"],
+                )
+                .expect("valid gauge"),
+            ),
+            kv_cache_config_labels: Default::default(),
             kv_pins: gauge(&registry, "rill_kv_pins", "Session pins in force"),
             kv_pinned_blocks: gauge(
                 &registry,
@@ -484,6 +512,26 @@ impl Metrics {
         *current = labels;
     }
 
+    /// Sets `rill_kv_cache_config_info`, in the shape of vLLM's `vllm:cache_config_info` that the Gateway
+    /// API Inference Extension's endpoint picker reads (`cacheInfoSpec`): labels `block_size` (tokens) and
+    /// `num_gpu_blocks` (the usable blocks of the device pool, whatever the device: the label keeps vLLM's
+    /// name so readers of vLLM's metric read Rill's), value 1. The pool is sized again after a shard
+    /// restart, so a change replaces the series.
+    pub fn set_kv_cache_config(&self, block_size: usize, num_blocks: u32) {
+        let mut current = self
+            .kv_cache_config_labels
+            .lock()
+            .expect("never poisoned: no panics while held");
+        if *current == Some((block_size, num_blocks)) {
+            return;
+        }
+        self.kv_cache_config_info.reset();
+        self.kv_cache_config_info
+            .with_label_values(&[&block_size.to_string(), &num_blocks.to_string()])
+            .set(1);
+        *current = Some((block_size, num_blocks));
+    }
+
     /// Counts a request accepted for LoRA adapter `adapter`.
     pub fn count_lora_request(&self, adapter: &str) {
         self.lora_requests.with_label_values(&[adapter]).inc();
@@ -509,4 +557,28 @@ fn unix_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_config_info_has_one_series_with_vllms_labels() {
+        let metrics = Metrics::new();
+        metrics.set_kv_cache_config(16, 100);
+        metrics.set_kv_cache_config(16, 100);
+        let text = metrics.render();
+        assert!(
+            text.contains("rill_kv_cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1"),
+            "{text}"
+        );
+        metrics.set_kv_cache_config(16, 80);
+        let text = metrics.render();
+        assert!(
+            text.contains("rill_kv_cache_config_info{block_size=\"16\",num_gpu_blocks=\"80\"} 1"),
+            "{text}"
+        );
+        assert_eq!(text.matches("rill_kv_cache_config_info{").count(), 1, "{text}");
+    }
 }

@@ -226,3 +226,43 @@ def test_n_choices_cost_one_prompt_prefill(server: Server, hf_model) -> None:  #
     # One full prefill, plus at most one block's worth of tail tokens per extra choice.
     assert num_prompt_tokens <= computed <= num_prompt_tokens + 3 * block_size, (computed, num_prompt_tokens)
     assert json.loads(response.text)["usage"]["prompt_tokens"] == num_prompt_tokens
+
+
+def test_render_gives_the_ids_the_real_requests_prefill(
+    server: Server, client: openai.OpenAI, model_name: str
+) -> None:
+    def ids(body: dict) -> list[int]:
+        answer = requests.post(f"{server.url}/tokenize", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        return [token["id"] for token in answer.json()["tokens"]]
+
+    for messages in CONVERSATIONS:
+        answer = requests.post(
+            f"{server.url}/v1/chat/completions/render",
+            json={"model": model_name, "messages": messages},
+            timeout=30,
+        )
+        assert answer.status_code == 200, answer.text
+        rendered = answer.json()
+        assert rendered["token_ids"] == ids({"messages": messages})
+        completion = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=1, temperature=0
+        )
+        assert completion.usage is not None
+        assert completion.usage.prompt_tokens == len(rendered["token_ids"])
+    answer = requests.post(
+        f"{server.url}/v1/completions/render",
+        json={"model": model_name, "prompt": [PROMPT, "Hello"]},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    assert [r["token_ids"] for r in answer.json()] == [ids({"prompt": PROMPT}), ids({"prompt": "Hello"})]
+
+
+def test_loads_report_the_pool_in_tokens(server: Server) -> None:
+    kv = server.info()["kv"]
+    loads = requests.get(f"{server.url}/v1/loads?include=core", timeout=30).json()
+    assert loads["dp_rank_count"] == 1
+    (load,) = loads["loads"]
+    assert load["max_total_num_tokens"] == kv["total_blocks"] * kv["block_size"]
+    assert 0.0 <= load["token_usage"] <= 1.0

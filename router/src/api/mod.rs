@@ -265,6 +265,43 @@ pub struct MemoryInfo {
     pub swap_pool_reason: String,
 }
 
+/// `GET /v1/loads`: the engine's load in the schema of SGLang's `/v1/loads`, which smg (SGLang's model
+/// gateway) reads to balance load across replicas (its `WorkerLoadResponse`). Rill is one scheduler per
+/// replica whatever the tensor-parallel size, so there is one rank.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct LoadsResponse {
+    /// When the engine state was read, RFC 3339 in UTC.
+    pub timestamp: String,
+    /// Data-parallel ranks: always 1.
+    pub dp_rank_count: u32,
+    /// One entry, the replica's engine.
+    pub loads: Vec<RankLoad>,
+}
+
+/// One scheduler's load, as of the engine's latest step (the `core` section of SGLang's answer; the
+/// others, `include=disagg,queues,memory`, are not reported and smg reads them as absent).
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct RankLoad {
+    /// Always 0.
+    pub dp_rank: u32,
+    /// Sequences admitted and holding KV blocks (each of a request's `n` choices counts).
+    pub num_running_reqs: u32,
+    /// Requests waiting for admission, and sequences preempted into the swap pool waiting to resume.
+    pub num_waiting_reqs: u32,
+    /// Running + waiting.
+    pub num_total_reqs: u32,
+    /// Tokens' worth of KV blocks the sequences hold (blocks × block size; idle cached blocks excluded).
+    pub num_used_tokens: u64,
+    /// Tokens' worth of the usable KV blocks.
+    pub max_total_num_tokens: u64,
+    /// `num_used_tokens / max_total_num_tokens`, 0 to 1: `rill_kv_cache_usage_ratio`.
+    pub token_usage: f64,
+    /// Prompt tokens found in the prefix cache / prompt tokens looked up, since the server started.
+    pub cache_hit_rate: f64,
+    /// The most sequences one step runs (`--max-batch-size`).
+    pub max_running_requests: u32,
+}
+
 /// The KV pool, as the router's allocator sees it now.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct KvInfo {

@@ -555,3 +555,49 @@ pub struct LoadLoraAdapterRequest {
 pub struct UnloadLoraAdapterRequest {
     pub lora_name: String,
 }
+
+/// The answer of `/v1/completions/render` (one per prompt) and `/v1/chat/completions/render`: the request
+/// as Rill would run it, in the shape of vLLM's `GenerateRequest` (its render endpoints' answer), so a
+/// gateway or prefix-cache indexer reads the exact prompt token ids Rill prefills.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RenderedRequest {
+    /// A fresh id, `cmpl-…` or `chatcmpl-…`.
+    pub request_id: String,
+    /// The prompt's token ids (chat template applied, special tokens as the real request adds them).
+    pub token_ids: Vec<u32>,
+    /// Multimodal features: always null (Rill serves text).
+    pub features: Option<serde_json::Value>,
+    pub sampling_params: RenderedSampling,
+    /// The model that would answer: the served model, or the LoRA adapter the request names.
+    pub model: String,
+    pub stream: bool,
+    /// The request's `cache_salt`, if any.
+    pub cache_salt: Option<String>,
+    pub priority: i32,
+}
+
+/// The sampling parameters after validation and defaults, under vLLM's `SamplingParams` names.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct RenderedSampling {
+    /// Choices of the prompt.
+    pub n: u32,
+    pub max_tokens: u32,
+    pub min_tokens: u32,
+    /// 0: greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0: no limit.
+    pub top_k: u32,
+    pub min_p: f32,
+    /// The request's seed; null: drawn by the server.
+    pub seed: Option<u64>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    /// Top log-probabilities returned per token; null: none.
+    pub logprobs: Option<u32>,
+}

@@ -278,6 +278,8 @@ impl EngineCore {
         let metrics = &self.metrics;
         metrics.kv_blocks_total.set(i64::from(stats.num_usable_blocks));
         metrics.kv_blocks_free.set(i64::from(stats.num_free_blocks));
+        metrics.kv_cache_usage.set(stats.kv_cache_usage());
+        metrics.set_kv_cache_config(self.scheduler.config.block_size, stats.num_usable_blocks);
         metrics
             .kv_blocks_cached_idle
             .set(i64::from(stats.num_cached_idle_blocks));

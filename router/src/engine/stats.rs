@@ -54,6 +54,16 @@ impl EngineStats {
     pub fn num_used_blocks(&self) -> u32 {
         self.num_usable_blocks - self.num_free_blocks - self.num_cached_idle_blocks
     }
+
+    /// Share (0 to 1) of the usable device blocks that sequences hold; 0 before the pool is known. Idle
+    /// cached blocks are not counted, as vLLM counts them not: an allocation evicts them, so this is how
+    /// full the pool is for new work (gateways balance by it).
+    pub fn kv_cache_usage(&self) -> f64 {
+        if self.num_usable_blocks == 0 {
+            return 0.0;
+        }
+        f64::from(self.num_used_blocks()) / f64::from(self.num_usable_blocks)
+    }
 }
 
 /// The stats of an engine starting now, before it looked at its pools.
@@ -108,5 +118,7 @@ mod tests {
             ..EngineStats::default()
         };
         assert_eq!(stats.num_used_blocks(), 20);
+        assert_eq!(stats.kv_cache_usage(), 20.0 / 63.0);
+        assert_eq!(EngineStats::default().kv_cache_usage(), 0.0, "no pool yet");
     }
 }

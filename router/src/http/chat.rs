@@ -30,6 +30,7 @@ use crate::{
     },
     engine::TokenEvent,
     grammar::GrammarSpec,
+    lora::AdapterRef,
     text::{
         reasoning::{ReasoningFormat, ReasoningParser},
         tool_calls::{self, Function, Markers, ToolCallFormat, ToolCallParser},
@@ -238,19 +239,13 @@ pub async fn chat_completions(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
-    let adapter = resolve_model(&state, request.model.as_deref())?;
-    compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
-    tracing::debug!(user = ?request.sampling.user, "chat completion request");
-    if request.messages.is_empty() {
-        return Err(ValidationError::EmptyInput("messages").into());
-    }
-    let tools = OfferedTools::from_request(&request)?;
-    let prompt = state.render_chat(
-        &request.messages,
-        request.add_generation_prompt.unwrap_or(true),
-        &template_variables(&request, tools.as_ref()),
-    )?;
-    let guided = guided::from_openai(&request.guided)?;
+    let ChatInput {
+        input,
+        n,
+        adapter,
+        tools,
+        prompt,
+    } = chat_input(&state, &tag, &request).await?;
     let tool_calls = tools.as_ref().map(|tools| (state.tool_call_format, tools.functions()));
     let new_reader = {
         let (reasoning, prompt) = (state.reasoning_format, prompt.clone());
@@ -261,27 +256,7 @@ pub async fn chat_completions(
             AnswerReader::new(reasoning, tool_calls, &prompt)
         }
     };
-    // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
-    let mut input = GenerateInput::new(
-        Prompt::Text {
-            text: prompt.clone(),
-            add_special_tokens: false,
-        },
-        "messages",
-        "max_completion_tokens",
-    );
-    constrain_output(&state, &mut input, guided, tools.as_ref(), &prompt).await?;
-    input.max_new_tokens = request.max_completion_tokens.or(request.max_tokens);
-    if request.top_logprobs.is_some() && !request.logprobs {
-        return Err(
-            ValidationError::OutOfRange("top_logprobs", "used with `logprobs: true`", "without it".into()).into(),
-        );
-    }
-    input.top_n_tokens = request.top_logprobs.unwrap_or(0);
-    let n = apply_sampling(&mut input, &request.sampling)?;
-    compat::check_inert(&request.inert)?;
     let model = answering_model(&state, adapter.as_ref());
-    input.adapter = adapter;
     let permit = acquire(&state, n)?;
     let (valid, receivers) = submit(&state, &tag, input, n).await?;
     let format = Chat {
@@ -298,6 +273,64 @@ pub async fn chat_completions(
     };
     let stream = request.sampling.stream.unwrap_or(false);
     Ok(respond(state, format, submitted, stream, request.sampling.stream_options).await?)
+}
+
+/// A chat request's input, rendered with the chat template: what `/v1/chat/completions` submits and
+/// `/v1/chat/completions/render` shows; the tools offered and the rendered prompt, for reading the answer.
+pub(super) struct ChatInput {
+    pub input: GenerateInput,
+    pub n: u32,
+    pub adapter: Option<AdapterRef>,
+    pub tools: Option<OfferedTools>,
+    pub prompt: String,
+}
+
+/// Reads a chat request into its input (every check before validation).
+pub(super) async fn chat_input(
+    state: &AppState,
+    tag: &RequestTag,
+    request: &ChatCompletionRequest,
+) -> Result<ChatInput, ApiError> {
+    let adapter = resolve_model(state, request.model.as_deref())?;
+    compat::ignore_unknown(&state.engine.metrics, tag, &request.unknown);
+    tracing::debug!(user = ?request.sampling.user, "chat completion request");
+    if request.messages.is_empty() {
+        return Err(ValidationError::EmptyInput("messages").into());
+    }
+    let tools = OfferedTools::from_request(request)?;
+    let prompt = state.render_chat(
+        &request.messages,
+        request.add_generation_prompt.unwrap_or(true),
+        &template_variables(request, tools.as_ref()),
+    )?;
+    let guided = guided::from_openai(&request.guided)?;
+    // The template already holds the special tokens (BOS, role markers): add none when tokenizing.
+    let mut input = GenerateInput::new(
+        Prompt::Text {
+            text: prompt.clone(),
+            add_special_tokens: false,
+        },
+        "messages",
+        "max_completion_tokens",
+    );
+    constrain_output(state, &mut input, guided, tools.as_ref(), &prompt).await?;
+    input.max_new_tokens = request.max_completion_tokens.or(request.max_tokens);
+    if request.top_logprobs.is_some() && !request.logprobs {
+        return Err(
+            ValidationError::OutOfRange("top_logprobs", "used with `logprobs: true`", "without it".into()).into(),
+        );
+    }
+    input.top_n_tokens = request.top_logprobs.unwrap_or(0);
+    let n = apply_sampling(&mut input, &request.sampling)?;
+    compat::check_inert(&request.inert)?;
+    input.adapter = adapter.clone();
+    Ok(ChatInput {
+        input,
+        n,
+        adapter,
+        tools,
+        prompt,
+    })
 }
 
 /// How chat shows its choices: each choice's text read back by an `AnswerReader` into content,

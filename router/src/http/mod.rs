@@ -18,6 +18,7 @@ mod native;
 mod openai;
 #[cfg(test)]
 mod pin_tests;
+mod render;
 mod responder;
 mod response_store;
 mod responses;
@@ -134,6 +135,8 @@ pub fn app(state: AppState) -> Router {
         .route("/generate_stream", post(native::generate_stream))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions/render", post(render::completions))
+        .route("/v1/chat/completions/render", post(render::chat_completions))
         .route("/v1/messages", post(messages::messages))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/responses", post(responses::create))
@@ -157,6 +160,7 @@ pub fn app(state: AppState) -> Router {
         .route("/ready", get(service::ready))
         .route("/metrics", get(service::metrics))
         .route("/info", get(service::info))
+        .route("/v1/loads", get(service::loads))
         .route("/openapi.json", get(service::openapi))
         .route("/docs", get(service::docs))
         .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))

@@ -183,35 +183,7 @@ pub async fn completions(
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, OpenAiError> {
     let Json(request) = body?;
-    let adapter = resolve_model(&state, request.model.as_deref())?;
-    compat::ignore_unknown(&state.engine.metrics, &tag, &request.unknown);
-    tracing::debug!(user = ?request.sampling.user, "completion request");
-    let prompts = prompts(request.prompt);
-    if prompts.is_empty() {
-        return Err(ValidationError::EmptyInput("prompt").into());
-    }
-    let top_n = request.logprobs.unwrap_or(0);
-    if request.echo && request.logprobs.is_some() {
-        return Err(ApiError::Unsupported {
-            message: "`echo` together with `logprobs` is not supported (prompt logprobs are not computed)".into(),
-            param: "echo".into(),
-        }
-        .into());
-    }
-    compat::check_inert(&request.inert)?;
-    let grammar = guided::from_openai(&request.guided)?;
-    let mut n = 1;
-    let mut inputs = Vec::with_capacity(prompts.len());
-    for prompt in prompts {
-        let mut input = GenerateInput::new(prompt, "prompt", "max_tokens");
-        // OpenAI's default for completions is 16 tokens.
-        input.max_new_tokens = Some(request.max_tokens.unwrap_or(16));
-        input.top_n_tokens = top_n;
-        n = apply_sampling(&mut input, &request.sampling)?;
-        input.grammar = grammar.clone();
-        input.adapter = adapter.clone();
-        inputs.push(input);
-    }
+    let CompletionInputs { inputs, n, adapter } = completion_inputs(&state, &tag, &request)?;
     let permit = acquire(&state, inputs.len() as u32 * n)?;
     let mut receivers = Vec::new();
     let mut echoes = Vec::new();
@@ -244,17 +216,62 @@ pub async fn completions(
     Ok(respond(state, format, submitted, stream, request.sampling.stream_options).await?)
 }
 
+/// A completion request's inputs, one per prompt, each with its `n` choices: what `/v1/completions` submits
+/// and `/v1/completions/render` shows.
+pub(super) struct CompletionInputs {
+    pub inputs: Vec<GenerateInput>,
+    pub n: u32,
+    pub adapter: Option<AdapterRef>,
+}
+
+/// Reads a completion request into its inputs (every check before validation).
+pub(super) fn completion_inputs(
+    state: &AppState,
+    tag: &RequestTag,
+    request: &CompletionRequest,
+) -> Result<CompletionInputs, ApiError> {
+    let adapter = resolve_model(state, request.model.as_deref())?;
+    compat::ignore_unknown(&state.engine.metrics, tag, &request.unknown);
+    tracing::debug!(user = ?request.sampling.user, "completion request");
+    let prompts = prompts(&request.prompt);
+    if prompts.is_empty() {
+        return Err(ValidationError::EmptyInput("prompt").into());
+    }
+    let top_n = request.logprobs.unwrap_or(0);
+    if request.echo && request.logprobs.is_some() {
+        return Err(ApiError::Unsupported {
+            message: "`echo` together with `logprobs` is not supported (prompt logprobs are not computed)".into(),
+            param: "echo".into(),
+        });
+    }
+    compat::check_inert(&request.inert)?;
+    let grammar = guided::from_openai(&request.guided)?;
+    let mut n = 1;
+    let mut inputs = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let mut input = GenerateInput::new(prompt, "prompt", "max_tokens");
+        // OpenAI's default for completions is 16 tokens.
+        input.max_new_tokens = Some(request.max_tokens.unwrap_or(16));
+        input.top_n_tokens = top_n;
+        n = apply_sampling(&mut input, &request.sampling)?;
+        input.grammar = grammar.clone();
+        input.adapter = adapter.clone();
+        inputs.push(input);
+    }
+    Ok(CompletionInputs { inputs, n, adapter })
+}
+
 /// The prompts of a completion request: one, or a batch.
-fn prompts(prompt: CompletionPrompt) -> Vec<Prompt> {
+fn prompts(prompt: &CompletionPrompt) -> Vec<Prompt> {
     let text = |text| Prompt::Text {
         text,
         add_special_tokens: true,
     };
     match prompt {
-        CompletionPrompt::Text(one) => vec![text(one)],
-        CompletionPrompt::Texts(texts) => texts.into_iter().map(text).collect(),
-        CompletionPrompt::Tokens(ids) => vec![Prompt::Tokens(ids)],
-        CompletionPrompt::TokenLists(lists) => lists.into_iter().map(Prompt::Tokens).collect(),
+        CompletionPrompt::Text(one) => vec![text(one.clone())],
+        CompletionPrompt::Texts(texts) => texts.iter().cloned().map(text).collect(),
+        CompletionPrompt::Tokens(ids) => vec![Prompt::Tokens(ids.clone())],
+        CompletionPrompt::TokenLists(lists) => lists.iter().cloned().map(Prompt::Tokens).collect(),
     }
 }
 

@@ -10,10 +10,10 @@ use utoipa::OpenApi;
 
 use super::{ApiError, AppState};
 use crate::api::{
-    AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, LoraAdapterInfo, LoraInfo,
-    PinInfo, TokenSpan, TokenizeRequest, TokenizeResponse,
+    AttentionInfo, DetokenizeRequest, DetokenizeResponse, ErrorResponse, Info, KvInfo, LoadsResponse, LoraAdapterInfo,
+    LoraInfo, PinInfo, RankLoad, TokenSpan, TokenizeRequest, TokenizeResponse,
 };
-use crate::engine::EngineError;
+use crate::engine::{EngineError, EngineStats};
 use crate::kv::kv_window;
 
 /// Liveness: 200 while the router and its engine task run; 503 once the engine task has died (the
@@ -134,6 +134,72 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
     })
 }
 
+/// The replica's load for gateways that balance by it (smg): SGLang's `/v1/loads` schema. The `include`
+/// query smg sends is accepted and the `core` section is what comes back.
+#[utoipa::path(get, path = "/v1/loads", tag = "service", responses((status = 200, body = LoadsResponse)))]
+pub async fn loads(State(state): State<AppState>) -> Json<LoadsResponse> {
+    let metrics = &state.engine.metrics;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    Json(LoadsResponse {
+        timestamp: rfc3339_utc(now),
+        dp_rank_count: 1,
+        loads: vec![rank_load(
+            &state.engine.stats(),
+            state.shard_info.block_size,
+            (
+                metrics.prefix_cache_hit_tokens.get(),
+                metrics.prefix_cache_queried_tokens.get(),
+            ),
+            state.batch.max_batch_size,
+        )],
+    })
+}
+
+/// The load of the engine in `stats`; `(hit, queried)`: prompt tokens found in the prefix cache and
+/// looked up, since start.
+fn rank_load(stats: &EngineStats, block_size: u32, (hit, queried): (u64, u64), max_batch_size: u32) -> RankLoad {
+    let num_waiting = (stats.num_waiting + stats.num_swapped) as u32;
+    RankLoad {
+        dp_rank: 0,
+        num_running_reqs: stats.num_running as u32,
+        num_waiting_reqs: num_waiting,
+        num_total_reqs: stats.num_running as u32 + num_waiting,
+        num_used_tokens: u64::from(stats.num_used_blocks()) * u64::from(block_size),
+        max_total_num_tokens: u64::from(stats.num_usable_blocks) * u64::from(block_size),
+        token_usage: stats.kv_cache_usage(),
+        cache_hit_rate: if queried == 0 { 0.0 } else { hit as f64 / queried as f64 },
+        max_running_requests: max_batch_size,
+    }
+}
+
+/// `unix_s` as RFC 3339 in UTC (`2026-12-06T16:59:26Z`); the days become a civil date by Howard Hinnant's
+/// `civil_from_days`.
+fn rfc3339_utc(unix_s: u64) -> String {
+    let (days, seconds) = (unix_s / 86_400, unix_s % 86_400);
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let day_of_era = z % 146_097;
+    let year_of_era = (day_of_era - day_of_era / 1_460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let shifted_month = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
+    let month = if shifted_month < 10 {
+        shifted_month + 3
+    } else {
+        shifted_month - 9
+    };
+    let year = year_of_era + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        seconds / 3_600,
+        seconds % 3_600 / 60,
+        seconds % 60
+    )
+}
+
 /// Token ids and their text, for a plain prompt or for chat messages (rendered with the chat template).
 #[utoipa::path(post, path = "/tokenize", tag = "service", request_body = TokenizeRequest,
     responses((status = 200, body = TokenizeResponse), (status = 400, body = ErrorResponse),
@@ -216,6 +282,8 @@ pub async fn detokenize(
         super::native::generate_stream,
         super::openai::completions,
         super::chat::chat_completions,
+        super::render::completions,
+        super::render::chat_completions,
         super::messages::messages,
         super::messages::count_tokens,
         super::responses::create,
@@ -231,6 +299,7 @@ pub async fn detokenize(
         ready,
         metrics,
         info,
+        loads,
         tokenize,
         detokenize,
     )
@@ -291,4 +360,45 @@ pub async fn docs() -> Html<String> {
 
 fn escape(text: &str) -> String {
     text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unix_time_reads_as_rfc3339() {
+        assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339_utc(1_796_575_166), "2026-12-06T16:39:26Z");
+    }
+
+    #[test]
+    fn the_load_counts_held_blocks_and_everything_not_running_as_waiting() {
+        let stats = EngineStats {
+            num_usable_blocks: 100,
+            num_free_blocks: 60,
+            num_cached_idle_blocks: 15,
+            num_waiting: 3,
+            num_running: 5,
+            num_swapped: 2,
+            ..EngineStats::default()
+        };
+        let load = rank_load(&stats, 16, (30, 120), 8);
+        assert_eq!(
+            load,
+            RankLoad {
+                dp_rank: 0,
+                num_running_reqs: 5,
+                num_waiting_reqs: 5,
+                num_total_reqs: 10,
+                num_used_tokens: 25 * 16,
+                max_total_num_tokens: 1_600,
+                token_usage: 0.25,
+                cache_hit_rate: 0.25,
+                max_running_requests: 8,
+            }
+        );
+        assert_eq!(rank_load(&EngineStats::default(), 16, (0, 0), 8).cache_hit_rate, 0.0);
+    }
 }

@@ -510,6 +510,84 @@ async fn tokenize_and_detokenize_round_trip() {
 }
 
 #[tokio::test]
+async fn render_shows_the_prompt_ids_the_real_requests_prefill() {
+    let server = server(64, 16).await;
+    let messages = json!([{"role": "user", "content": "w7 w8"}]);
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/chat/completions/render",
+        json!({"messages": messages, "temperature": 0, "n": 2, "cache_salt": "s", "stream": true}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let rendered: Value = serde_json::from_str(&text).expect("json");
+    // The template renders "w7 w8 w0", as /tokenize shows.
+    assert_eq!(rendered["token_ids"], json!([7, 8, 0]));
+    let (_, _, text) = post(&server.app, "/tokenize", json!({"messages": messages})).await;
+    let tokens: Value = serde_json::from_str(&text).expect("json");
+    let ids: Vec<Value> = tokens["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t["id"].clone())
+        .collect();
+    assert_eq!(rendered["token_ids"], json!(ids));
+    assert!(
+        rendered["request_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("chatcmpl-")),
+        "{rendered}"
+    );
+    assert_eq!(rendered["model"], "fake");
+    assert_eq!(rendered["features"], Value::Null);
+    assert_eq!(rendered["stream"], true);
+    assert_eq!(rendered["cache_salt"], "s");
+    assert_eq!(rendered["sampling_params"]["n"], 2);
+    assert_eq!(rendered["sampling_params"]["temperature"], 0.0);
+    assert_eq!(rendered["sampling_params"]["seed"], Value::Null);
+
+    let (status, _, text) = post(
+        &server.app,
+        "/v1/completions/render",
+        json!({"prompt": ["w4 w5", "w6"], "max_tokens": 3, "seed": 9, "stop": ["w9"]}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let rendered: Value = serde_json::from_str(&text).expect("json");
+    let rendered = rendered.as_array().expect("one per prompt");
+    assert_eq!(rendered.len(), 2);
+    assert_eq!(rendered[0]["token_ids"], json!([4, 5]));
+    assert_eq!(rendered[1]["token_ids"], json!([6]));
+    assert!(rendered[1]["request_id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("cmpl-")));
+    assert_eq!(rendered[0]["sampling_params"]["max_tokens"], 3);
+    assert_eq!(rendered[0]["sampling_params"]["seed"], 9);
+    assert_eq!(rendered[0]["sampling_params"]["stop"], json!(["w9"]));
+    assert_eq!(rendered[0]["sampling_params"]["temperature"], 1.0);
+    // Rendering runs nothing.
+    assert_eq!(server.state.engine.metrics.generated_tokens.get(), 0);
+}
+
+#[tokio::test]
+async fn render_refuses_what_the_real_requests_refuse() {
+    let server = server(64, 16).await;
+    for (uri, body, field) in [
+        ("/v1/chat/completions/render", json!({"messages": []}), "messages"),
+        ("/v1/completions/render", json!({"prompt": "w1 ".repeat(65)}), "prompt"),
+        (
+            "/v1/completions/render",
+            json!({"prompt": "w1", "model": "other"}),
+            "other",
+        ),
+    ] {
+        let (status, _, text) = post(&server.app, uri, body).await;
+        assert!(status.is_client_error(), "{uri}: {status} {text}");
+        assert!(text.contains(field), "{uri}: {text}");
+    }
+}
+
+#[tokio::test]
 async fn openapi_document_lists_every_route() {
     let server = server(64, 16).await;
     let doc = get(&server.app, "/openapi.json").await;
@@ -518,6 +596,8 @@ async fn openapi_document_lists_every_route() {
         "/generate_stream",
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/completions/render",
+        "/v1/chat/completions/render",
         "/v1/messages",
         "/v1/messages/count_tokens",
         "/v1/responses",
@@ -525,6 +605,7 @@ async fn openapi_document_lists_every_route() {
         "/v1/models",
         "/tokenize",
         "/info",
+        "/v1/loads",
     ] {
         assert!(
             doc["paths"].get(path).is_some(),
@@ -564,6 +645,58 @@ async fn metrics_count_outcomes_and_latencies() {
         "the engine's own time is counted"
     );
     assert!(text.contains("rill_engine_planning_seconds_total"), "{text}");
+}
+
+/// The text of `GET /metrics`.
+async fn metrics_text(app: &Router) -> String {
+    let request = Request::builder()
+        .uri("/metrics")
+        .body(Body::empty())
+        .expect("valid request");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    String::from_utf8(response.into_body().collect().await.expect("body").to_bytes().to_vec()).expect("utf-8")
+}
+
+#[tokio::test]
+async fn idle_cached_blocks_leave_the_kv_usage_at_zero() {
+    let server = server(64, 16).await;
+    generate(&server.app, "w1 w2 w3 w4 w5 w6 w7 w8 w9", 2).await;
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    let text = metrics_text(&server.app).await;
+    // Two full blocks of the prompt stay cached, idle: new work may evict them, so they are not usage.
+    assert!(text.contains("rill_prefix_cache_blocks 2"), "{text}");
+    assert!(text.contains("rill_kv_cache_usage_ratio 0\n"), "{text}");
+    assert!(
+        text.contains("rill_kv_cache_config_info{block_size=\"4\",num_gpu_blocks=\"63\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn loads_report_the_pool_and_the_prefix_hits_in_sglangs_schema() {
+    let server = server(64, 16).await;
+    for _ in 0..2 {
+        generate(&server.app, "w1 w2 w3 w4 w5 w6 w7 w8 w9", 2).await;
+    }
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    let loads = get(&server.app, "/v1/loads?include=core,disagg,queues,memory").await;
+    assert_eq!(loads["dp_rank_count"], 1);
+    assert!(loads["timestamp"].as_str().is_some_and(|t| t.ends_with('Z')), "{loads}");
+    // The second request found the first's two full blocks: 8 of the 18 prompt tokens looked up.
+    assert_eq!(
+        loads["loads"],
+        json!([{
+            "dp_rank": 0,
+            "num_running_reqs": 0,
+            "num_waiting_reqs": 0,
+            "num_total_reqs": 0,
+            "num_used_tokens": 0,
+            "max_total_num_tokens": 63 * 4,
+            "token_usage": 0.0,
+            "cache_hit_rate": 8.0 / 18.0,
+            "max_running_requests": 8,
+        }])
+    );
 }
 
 #[tokio::test]
