@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
-import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,9 +29,8 @@ from rill.shard.config import ShardConfig
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.runner import LoraOffError, ModelRunner
 
-from bench.servers import spawn, wait_until
-
 from .conftest import chunk, hf_model, logits_of, save_tiny_model
+from .test_server import shard_server
 
 PROMPT = [5, 17, 42, 99, 7, 250, 3, 64, 128, 11, 12]
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -321,39 +319,13 @@ def test_moe_experts_and_router_are_not_targets(tmp_path: Path, module: str) -> 
 
 # --- the gRPC server ---
 
-BLOCK_SIZE = 4
-
 
 @contextmanager
-def shard_server(model_dir: Path, socket_path: Path, *flags: str) -> Iterator[shard_pb2_grpc.ShardStub]:
-    log_path = socket_path.with_suffix(".log")
-    command = [
-        sys.executable,
-        "-m",
-        "rill.shard.server",
-        "--model-id",
-        str(model_dir),
-        "--socket",
-        str(socket_path),
-        "--kv-block-size",
-        str(BLOCK_SIZE),
-        "--num-threads",
-        "1",
-        *flags,
-    ]
-    process = spawn(command, log_path)
-    channel = grpc.insecure_channel(f"unix://{socket_path}")
-    try:
-        wait_until(socket_path.exists, process, "shard", log_path, timeout_s=60, poll_s=0.1)
-        grpc.channel_ready_future(channel).result(timeout=30)
-        stub = shard_pb2_grpc.ShardStub(channel)
+def warm_shard_server(model_dir: Path, socket_path: Path, *flags: str) -> Iterator[shard_pb2_grpc.ShardStub]:
+    """`test_server.shard_server`, warmed up."""
+    with shard_server(model_dir, socket_path, *flags) as stub:
         stub.Warmup(shard_pb2.WarmupRequest(max_batch_tokens=32, max_batch_size=4, max_total_kv_tokens=400))
         yield stub
-    finally:
-        channel.close()
-        process.terminate()
-        process.wait(timeout=30)
-    assert process.returncode == 0, log_path.read_text()
 
 
 def prefill_pb(seq_id: int, token_ids: list[int], adapter_id: int, **fields: Any) -> shard_pb2.ForwardRequest:
@@ -379,7 +351,9 @@ def peft_greedy(base_dir: Path, adapter_dir: Path, prompt: list[int], num_new_to
 def test_server_loads_adapters_serves_them_and_forgets_unloaded_ones(
     llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    with shard_server(llama_dir, tmp_path / "lora.sock", "--max-loras", "2", "--max-lora-rank", "8") as stub:
+    with warm_shard_server(
+        llama_dir, tmp_path / "lora.sock", "--max-loras", "2", "--max-lora-rank", "8"
+    ) as stub:
         info = stub.Info(shard_pb2.InfoRequest())
         assert (info.max_loras, info.max_lora_rank) == (2, 8)
         loaded = stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id=4, path=str(adapter_dirs["qv"])))
@@ -430,7 +404,7 @@ def test_server_loads_adapters_serves_them_and_forgets_unloaded_ones(
 def test_server_without_lora_refuses_adapters(
     llama_dir: Path, adapter_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    with shard_server(llama_dir, tmp_path / "base.sock") as stub:
+    with warm_shard_server(llama_dir, tmp_path / "base.sock") as stub:
         info = stub.Info(shard_pb2.InfoRequest())
         assert (info.max_loras, info.max_lora_rank) == (0, 16)
         with pytest.raises(grpc.RpcError) as error:

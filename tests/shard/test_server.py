@@ -6,6 +6,7 @@ import asyncio
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -28,26 +29,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def stub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[shard_pb2_grpc.ShardStub]:
-    socket_path = tmp_path_factory.mktemp("sock") / "shard.sock"
+@contextmanager
+def shard_server(model_dir: Path, socket_path: Path, *flags: str) -> Iterator[shard_pb2_grpc.ShardStub]:
+    """`python -m rill.shard.server` on `socket_path` (one thread, BLOCK_SIZE blocks, `flags`) until the
+    block ends; it must then exit 0 and remove its socket."""
     log_path = socket_path.with_suffix(".log")
-    process = spawn(
-        [
-            sys.executable,
-            "-m",
-            "rill.shard.server",
-            "--model-id",
-            str(model_dir),
-            "--socket",
-            str(socket_path),
-            "--kv-block-size",
-            str(BLOCK_SIZE),
-            "--num-threads",
-            "1",
-        ],
-        log_path,
-    )
+    command = [
+        sys.executable, "-m", "rill.shard.server",
+        "--model-id", str(model_dir),
+        "--socket", str(socket_path),
+        "--kv-block-size", str(BLOCK_SIZE),
+        "--num-threads", "1",
+        *flags,
+    ]  # fmt: skip
+    process = spawn(command, log_path)
     channel = grpc.insecure_channel(f"unix://{socket_path}")
     try:
         wait_until(socket_path.exists, process, "shard", log_path, timeout_s=60, poll_s=0.1)
@@ -59,6 +54,12 @@ def stub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         process.wait(timeout=30)
     assert process.returncode == 0, log_path.read_text()
     assert not socket_path.exists()
+
+
+@pytest.fixture(scope="module")
+def stub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[shard_pb2_grpc.ShardStub]:
+    with shard_server(model_dir, tmp_path_factory.mktemp("sock") / "shard.sock") as server:
+        yield server
 
 
 def forward_request(
