@@ -45,6 +45,7 @@ impl EngineCore {
                 cached_token_ids: Vec::new(),
                 allowed_token_bitmask: Vec::new(),
                 adapter_id: 0,
+                num_speculative_tokens: 0,
             }]);
             let started = Instant::now();
             let result = self.shards.forward(request, num_tokens == 1).await;

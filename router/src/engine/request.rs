@@ -256,6 +256,7 @@ impl Sequence {
             cached_token_ids,
             // With `params` only, as the contract says; the shard keeps it with them.
             adapter_id: if is_first_call { self.adapter_id() } else { 0 },
+            num_speculative_tokens: 0,
             allowed_token_bitmask: if sample && self.grammar.is_some() {
                 let started = Instant::now();
                 let mask = self.allowed_tokens(eos_token_ids);

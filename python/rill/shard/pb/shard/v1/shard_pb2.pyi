@@ -118,7 +118,7 @@ class SamplingParams(_message.Message):
     def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., top_n_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceChunk(_message.Message):
-    __slots__ = ("id", "token_ids", "num_computed_tokens", "block_table", "sample", "params", "cached_token_ids", "allowed_token_bitmask", "adapter_id")
+    __slots__ = ("id", "token_ids", "num_computed_tokens", "block_table", "sample", "params", "cached_token_ids", "allowed_token_bitmask", "adapter_id", "num_speculative_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class SequenceChunk(_message.Message):
     CACHED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
@@ -137,7 +138,8 @@ class SequenceChunk(_message.Message):
     cached_token_ids: _containers.RepeatedScalarFieldContainer[int]
     allowed_token_bitmask: _containers.RepeatedScalarFieldContainer[int]
     adapter_id: int
-    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[int] = ...) -> None: ...
+    num_speculative_tokens: int
+    def __init__(self, id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cached_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("device_block", "host_block")
