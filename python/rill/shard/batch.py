@@ -30,6 +30,9 @@ class SequenceChunk:
     allowed_token_bitmask: list[int] = field(default_factory=list)
     # Sent with params only: the LoRA adapter the sequence runs with (an id LoadAdapter loaded; 0 = none).
     adapter_id: int = 0
+    # With sample: the last k token_ids are proposals (speculative decoding); the chunk's last k + 1 positions
+    # are each sampled as if the tokens before them had been generated, one Generation each.
+    num_speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,9 @@ class BatchState:
     block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with block 0
     cu_seqlens_q: list[int]
     context_lens: list[int]  # num_computed_tokens + chunk length, per sequence
-    sample_rows: torch.Tensor  # int64 [num_sampled]: rows whose logits are sampled (each chunk's last token)
-    sample_ids: list[int]  # sequence id per sampled row
+    # Sampled rows: a sampled chunk's last num_speculative_tokens + 1 rows, in position order.
+    sample_rows: torch.Tensor  # int64 [num_sampled]
+    sample_ids: list[int]  # sequence id per sampled row (repeated for a speculating chunk)
     sample_positions: list[int]  # position of the token being generated, per sampled row
 
     @property
@@ -115,6 +119,7 @@ class BatchState:
         context_lens: list[int] = []
         sample_rows: list[int] = []
         sample_ids: list[int] = []
+        sample_positions: list[int] = []
         for seq in sequences:
             _validate(seq, seen, known_ids, limits)
             seen.add(seq.id)
@@ -129,8 +134,10 @@ class BatchState:
             cu_seqlens_q.append(len(input_ids))
             context_lens.append(context_len)
             if seq.sample:
-                sample_rows.append(len(input_ids) - 1)
-                sample_ids.append(seq.id)
+                num_sampled = seq.num_speculative_tokens + 1
+                sample_rows.extend(range(len(input_ids) - num_sampled, len(input_ids)))
+                sample_ids.extend([seq.id] * num_sampled)
+                sample_positions.extend(range(context_len - num_sampled + 1, context_len + 1))
         max_blocks = max(len(seq.block_table) for seq in sequences)
         block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in sequences]
 
@@ -146,7 +153,7 @@ class BatchState:
             context_lens=context_lens,
             sample_rows=tensor(sample_rows),
             sample_ids=sample_ids,
-            sample_positions=[context_lens[i] for i, seq in enumerate(sequences) if seq.sample],
+            sample_positions=sample_positions,
         )
 
 
@@ -167,6 +174,19 @@ def _validate(
             raise ValueError(f"{where}: params: {error}") from None
     if not seq.token_ids:
         raise ValueError(f"{where}: token_ids is empty")
+    k = seq.num_speculative_tokens
+    if not 0 <= k < len(seq.token_ids):
+        raise ValueError(
+            f"{where}: num_speculative_tokens {k} out of range [0, len(token_ids) = {len(seq.token_ids)}) "
+            "(the chunk holds the proposals and the token before them)"
+        )
+    if k and not seq.sample:
+        raise ValueError(f"{where}: num_speculative_tokens {k} sent without sample (proposals are sampled)")
+    if k and seq.allowed_token_bitmask:
+        raise ValueError(
+            f"{where}: num_speculative_tokens {k} sent with allowed_token_bitmask "
+            "(a grammar mask holds for one position only)"
+        )
     bad_tokens = [t for t in seq.token_ids if not 0 <= t < limits.vocab_size]
     if bad_tokens:
         raise ValueError(f"{where}: token_ids {bad_tokens[:5]} out of range [0, {limits.vocab_size})")
@@ -219,6 +239,12 @@ class TokenHistory:
 
     def get(self, seq_id: int) -> list[int]:
         return self.token_ids_by_id.get(seq_id, [])
+
+    def before(self, seq_id: int, position: int) -> list[int]:
+        """The sequence's tokens at positions [0, position): the history a token generated at `position` sees
+        (shorter than the whole history only at a speculating chunk's proposals)."""
+        history = self.get(seq_id)
+        return history[:position] if len(history) > position else history
 
     def record(self, sequences: list[SequenceChunk], params_by_id: dict[int, SamplingParams]) -> None:
         """Appends each chunk's tokens, at its positions. Checks every chunk before changing anything, and

@@ -87,7 +87,7 @@ class WarmupResult:
 class ForwardResult:
     """What one Prefill/Decode call produced."""
 
-    generations: list[Generation]  # one per sampled chunk, in request order
+    generations: list[Generation]  # one per sampled row (k + 1 for a speculating chunk), in request order
     model_seconds: float  # wall time of the model forward, embedding to logits (reported to the router)
 
 
@@ -351,7 +351,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, request: ForwardRequest) -> ForwardResult:
         """Drops released sequences, then runs one forward pass over all chunks; one Generation per sampled
-        chunk, in request order, and the model's time."""
+        row (a chunk's last num_speculative_tokens + 1 positions), in request order, and the model's time."""
         if self.kv_cache is None:
             raise NotReadyError("Warmup must be called before Prefill or Decode")
         for seq_id in request.released_ids:
@@ -373,12 +373,17 @@ class ModelRunner:
         batch, logits, model_seconds = self.forward_logits(request, check_lengths)
         if not batch.sample_ids:
             return ForwardResult([], model_seconds)
+        # Everything per sampled row: a speculating chunk's rows share the sequence's params, and each row
+        # sees the history before its own position (the recorded history already holds the proposals).
         masks = {seq.id: seq.allowed_token_bitmask for seq in request.sequences if seq.allowed_token_bitmask}
         sampling = SamplingBatch.build(
             [self.params_by_id[seq_id] for seq_id in batch.sample_ids],
             batch.sample_positions,
             self.device,
-            histories=[self.history.get(seq_id) for seq_id in batch.sample_ids],
+            histories=[
+                self.history.before(seq_id, position)
+                for seq_id, position in zip(batch.sample_ids, batch.sample_positions, strict=True)
+            ],
             vocab_size=self.vocab_size,
             allowed_token_bitmasks=[masks.get(seq_id, ()) for seq_id in batch.sample_ids],
         )

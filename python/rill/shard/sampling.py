@@ -133,7 +133,7 @@ class TokenCounts:
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling parameters as tensors, one row per sampled sequence. Each optional processor is
+    """Per-row sampling parameters as tensors, one row per sampled position. Each optional processor is
     skipped (a plain Python bool, no device sync) when no row of the batch uses it."""
 
     do_sample: torch.Tensor  # bool [rows]

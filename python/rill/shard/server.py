@@ -74,6 +74,7 @@ def forward_request_from_pb(request: shard_pb2.ForwardRequest) -> ForwardRequest
                 cached_token_ids=list(seq.cached_token_ids),
                 allowed_token_bitmask=list(seq.allowed_token_bitmask),
                 adapter_id=seq.adapter_id,
+                num_speculative_tokens=seq.num_speculative_tokens,
             )
             for seq in request.sequences
         ],
