@@ -5,35 +5,35 @@ are refused naming the field.
 
 The oracle decodes each sequence alone, one token per call, feeding at each step either the token it just
 got (a right proposal) or another one (a wrong proposal); the proposals it fed are then verified in one
-chunk, in a batch with other speculating sequences, plain decodes and a prefill chunk.
+chunk, in a batch with other speculating sequences, plain decodes and a prefill chunk. The last test does
+the same through the real gRPC server.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from rill.shard.batch import ForwardRequest, Generation, SequenceChunk
 from rill.shard.pb.shard.v1 import shard_pb2
 from rill.shard.runner import ModelRunner
 from rill.shard.sampling import SamplingParams
-from rill.shard.server import forward_request_from_pb
 
 from .conftest import GREEDY, chunk, make_runner
+from .test_server import BLOCK_SIZE, shard_server
 
 BLOCKS_PER_SEQUENCE = 12  # 48 tokens of block size 4: room for every prompt below plus its proposals
 VOCAB_SIZE = 300  # conftest.TINY
 
 
 @pytest.fixture(scope="module", params=["cpu", "torch"])
-def runner(request: pytest.FixtureRequest, llama_dir: Path) -> Iterator[ModelRunner]:
-    """The tiny Llama on the CPU kernels, then on the torch references (a runner of its own: the ids here
-    are forgotten after each test)."""
-    runner = make_runner(llama_dir, attention_backend=request.param)
-    yield runner
-    runner.clear()
+def runner(request: pytest.FixtureRequest, llama_dir: Path) -> ModelRunner:
+    """The tiny Llama on the CPU kernels (its fused decoder stack included), then on the torch references;
+    runners of this module's own, so its sequence ids meet no other test's."""
+    return make_runner(llama_dir, attention_backend=request.param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,9 @@ PENALIZED = dataclasses.replace(
 # min_new_tokens 4 the stop ids are masked at the chunk's first 2 rows and allowed from its third on.
 STOPS = range(0, VOCAB_SIZE, 2)
 MIN_NEW = SamplingParams(num_prompt_tokens=17, min_new_tokens=4, stop_token_ids=tuple(STOPS))
+
+
+PREFILL_PROMPT = prompt(11, 12)
 
 
 def cases() -> list[Case]:
@@ -132,10 +135,6 @@ def verification_chunk(seq_id: int, first_block: int, case: Case, proposals: lis
     )
 
 
-def as_ids(generations: list[Generation]) -> list[int]:
-    return [g.id for g in generations]
-
-
 def test_verification_equals_sequential_decoding_bitwise(runner: ModelRunner) -> None:
     all_cases = cases()
     oracle_id, oracle_block = 900, 1 + BLOCKS_PER_SEQUENCE * len(all_cases)
@@ -159,15 +158,16 @@ def test_verification_equals_sequential_decoding_bitwise(runner: ModelRunner) ->
             )
             for i, (case, first_block) in enumerate(zip(all_cases, first_blocks, strict=True))
         ],
+        chunk(prefill_id, PREFILL_PROMPT[:5], 0, oracle_block, sample=False, params=SAMPLED),
     )
-    # One call: every verification chunk, and a prompt's chunk mid-prefill (no Generation) in their midst.
+    # One call: every verification chunk, and the middle chunk of a prompt (no Generation) in their midst.
     verifications = [
         verification_chunk(i, first_block, case, proposals[case.name])
         for i, (case, first_block) in enumerate(zip(all_cases, first_blocks, strict=True))
     ]
-    mid_prefill = chunk(prefill_id, prompt(11, 9), 0, oracle_block, sample=False, params=SAMPLED)
+    mid_prefill = chunk(prefill_id, PREFILL_PROMPT[5:], 5, oracle_block, sample=False, params=None)
     generations = run(runner, *verifications[:3], mid_prefill, *verifications[3:])
-    assert as_ids(generations) == [
+    assert [g.id for g in generations] == [
         i for i, case in enumerate(all_cases) for _ in range(case.num_speculative_tokens + 1)
     ]
     start = 0
@@ -238,8 +238,66 @@ def test_bad_speculation_is_refused_naming_the_field(
     assert 22 not in runner.params_by_id  # refused before anything changed
 
 
-def test_the_server_passes_num_speculative_tokens() -> None:
-    pb = shard_pb2.ForwardRequest(
-        sequences=[shard_pb2.SequenceChunk(id=1, token_ids=[1, 2, 3], sample=True, num_speculative_tokens=2)]
+def pb_chunk(
+    seq_id: int, token_ids: list[int], num_computed_tokens: int, **fields: object
+) -> shard_pb2.SequenceChunk:
+    num_blocks = -(-(num_computed_tokens + len(token_ids)) // BLOCK_SIZE)
+    first_block = 1 + BLOCKS_PER_SEQUENCE * seq_id
+    return shard_pb2.SequenceChunk(
+        id=seq_id,
+        token_ids=token_ids,
+        num_computed_tokens=num_computed_tokens,
+        block_table=list(range(first_block, first_block + num_blocks)),
+        **fields,
     )
-    assert forward_request_from_pb(pb).sequences[0].num_speculative_tokens == 2
+
+
+def test_grpc_verification_equals_decode_calls_and_bad_speculation_is_invalid_argument(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """Through the real server: Prefill with num_speculative_tokens 2 answers what 3 Decode calls answer,
+    and a speculating chunk under a grammar is INVALID_ARGUMENT naming the field (the server carries on)."""
+    params = shard_pb2.SamplingParams(
+        do_sample=True,
+        temperature=0.9,
+        top_k=30,
+        top_p=1.0,
+        seed=42,
+        repetition_penalty=1.5,
+        top_n_logprobs=3,
+    )
+    prompt_ids = prompt(13, 14)
+    num_prompt_tokens = len(prompt_ids)
+    with shard_server(llama_dir, tmp_path / "shard.sock") as stub:
+        stub.Warmup(shard_pb2.WarmupRequest(max_batch_tokens=32, max_batch_size=4, max_total_kv_tokens=400))
+
+        def call(
+            method: Callable[..., shard_pb2.ForwardResponse], *sequences: shard_pb2.SequenceChunk
+        ) -> list[shard_pb2.Generation]:
+            return list(method(shard_pb2.ForwardRequest(sequences=sequences)).generations)
+
+        call(stub.Prefill, pb_chunk(2, prompt_ids[:-1], 0, params=params))
+        fed, expected = [prompt_ids[-1]], []
+        for i in range(3):
+            (generation,) = call(stub.Decode, pb_chunk(2, fed[-1:], num_prompt_tokens - 1 + i, sample=True))
+            generation.id = 1  # as the verified sequence's
+            expected.append(generation)
+            fed.append(generation.token_id if i == 0 else other_token(generation.token_id))
+        call(stub.Prefill, pb_chunk(1, prompt_ids[:-1], 0, params=params))
+        verification = pb_chunk(1, fed[:3], num_prompt_tokens - 1, sample=True, num_speculative_tokens=2)
+        assert call(stub.Prefill, verification) == expected
+        assert all(len(g.top_logprobs) == 3 for g in expected)
+        constrained = pb_chunk(
+            3,
+            prompt_ids,
+            0,
+            sample=True,
+            params=params,
+            num_speculative_tokens=1,
+            allowed_token_bitmask=[1] * 10,
+        )
+        with pytest.raises(grpc.RpcError) as error:
+            call(stub.Prefill, constrained)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "num_speculative_tokens 1 sent with allowed_token_bitmask" in error.value.details()
+        stub.Health(shard_pb2.HealthRequest())
