@@ -6,6 +6,7 @@ use clap::{builder::BoolishValueParser, Arg, ArgAction, Parser, ValueEnum};
 
 use crate::{
     scheduler::{KvAdmission, PreemptionMode},
+    speculative::SpeculativeConfig,
     text::{reasoning::ReasoningFormat, tool_calls::ToolCallFormat},
 };
 
@@ -81,6 +82,25 @@ pub struct Args {
     /// step time measured at warmup and while serving; unset = a fixed --max-batch-tokens budget.
     #[arg(long, env = "RILL_TARGET_ITL_MS")]
     pub target_itl_ms: Option<f64>,
+    /// Speculative decoding: `ngram` proposes, for each decoding sequence, the tokens that followed the
+    /// latest earlier occurrence of its last few tokens (prompt lookup), and the shards verify them in the
+    /// step's forward pass. The output is the same token for token (greedy or seeded); it comes sooner when
+    /// the text repeats its context. Off for requests under a grammar. Unset = off.
+    #[arg(long, env = "RILL_SPECULATIVE", value_enum)]
+    pub speculative: Option<SpeculativeMethod>,
+    /// With --speculative: the most tokens proposed for one sequence in one step (fewer after rejections).
+    #[arg(long, env = "RILL_NUM_SPECULATIVE_TOKENS", default_value_t = 4)]
+    pub num_speculative_tokens: usize,
+    /// With --speculative ngram: the shortest suffix of a sequence looked up among its earlier tokens.
+    #[arg(long, env = "RILL_SPECULATIVE_NGRAM_MIN", default_value_t = 1)]
+    pub speculative_ngram_min: usize,
+    /// With --speculative ngram: the longest suffix looked up (the longest that recurs wins).
+    #[arg(long, env = "RILL_SPECULATIVE_NGRAM_MAX", default_value_t = 3)]
+    pub speculative_ngram_max: usize,
+    /// With --speculative: proposals join a step only while its decodes and proposals stay within this
+    /// many tokens (beyond it a step is compute-bound, and a rejected proposal costs like a token).
+    #[arg(long, env = "RILL_SPECULATIVE_MAX_STEP_TOKENS", default_value_t = 16)]
+    pub speculative_max_step_tokens: usize,
     /// How a preempted sequence gives up its KV blocks: `recompute` (free them; recompute its K/V when it
     /// resumes), `swap` (copy them to the host swap pool and back when room returns; recompute when the
     /// swap pool is full) or `auto` (swap when the swap pool has room and copying is cheaper than
@@ -246,6 +266,11 @@ impl From<KvAdmissionArg> for KvAdmission {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpeculativeMethod {
+    Ngram,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Scheduling {
     Continuous,
     Static,
@@ -324,6 +349,8 @@ pub struct BatchConfig {
     /// Host swap pool per shard, in bytes; 0 with `--preemption-mode recompute`; None: the shards size it.
     pub swap_space_bytes: Option<u64>,
     pub kv_admission: KvAdmission,
+    /// `--speculative` and its settings; None = off.
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// The bounds of the `/v1/responses` store (`--responses-store-max-entries`, `--responses-store-max-bytes`,
@@ -435,6 +462,19 @@ impl Config {
         if let Some(target) = args.target_itl_ms {
             anyhow::ensure!(target > 0.0, "--target-itl-ms must be positive, got {target}");
         }
+        if args.speculative.is_some() {
+            anyhow::ensure!(
+                args.num_speculative_tokens >= 1,
+                "--num-speculative-tokens must be >= 1, got {}",
+                args.num_speculative_tokens
+            );
+            anyhow::ensure!(
+                1 <= args.speculative_ngram_min && args.speculative_ngram_min <= args.speculative_ngram_max,
+                "--speculative-ngram-min ({}) must be >= 1 and at most --speculative-ngram-max ({})",
+                args.speculative_ngram_min,
+                args.speculative_ngram_max
+            );
+        }
         let served_model_name = args.served_model_name.unwrap_or_else(|| {
             let name = args.model_id.file_name().unwrap_or(args.model_id.as_os_str());
             name.to_string_lossy().into_owned()
@@ -506,6 +546,12 @@ impl Config {
                     args.swap_space.map(|gib| (gib * f64::from(1u32 << 30)) as u64)
                 },
                 kv_admission: args.kv_admission.into(),
+                speculative: args.speculative.map(|SpeculativeMethod::Ngram| SpeculativeConfig {
+                    max_proposed_tokens: args.num_speculative_tokens,
+                    ngram_min: args.speculative_ngram_min,
+                    ngram_max: args.speculative_ngram_max,
+                    max_step_tokens: args.speculative_max_step_tokens,
+                }),
             },
         })
     }

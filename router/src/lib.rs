@@ -12,6 +12,7 @@ pub mod lora;
 pub mod metrics;
 pub mod scheduler;
 pub mod shard;
+pub mod speculative;
 pub mod telemetry;
 pub mod text;
 pub mod validation;

@@ -119,6 +119,12 @@ pub struct Metrics {
     /// Seconds the engine spent computing constrained sequences' allowed-token masks (part of
     /// `engine_planning_seconds`).
     pub grammar_mask_seconds: Counter,
+    /// Speculative decoding (vLLM's `spec_decode_*` counters): verifications (a sequence's proposals in
+    /// one step), the tokens proposed, those accepted, and the engine loop's time spent proposing.
+    pub spec_decode_drafts: IntCounter,
+    pub spec_decode_draft_tokens: IntCounter,
+    pub spec_decode_accepted_tokens: IntCounter,
+    pub spec_decode_proposal_seconds: Counter,
     /// Seconds to get a request's compiled grammar, by `cache` (`miss`: compiled; `hit`: found).
     pub grammar_compile_seconds: HistogramVec,
     pub step_tokens: Histogram,
@@ -358,6 +364,26 @@ impl Metrics {
                 &registry,
                 "rill_grammar_mask_seconds_total",
                 "Seconds the engine loop spent computing allowed-token masks of constrained sequences",
+            ),
+            spec_decode_drafts: counter(
+                &registry,
+                "rill_spec_decode_num_drafts_total",
+                "Speculative decoding: sequence steps that verified proposed tokens",
+            ),
+            spec_decode_draft_tokens: counter(
+                &registry,
+                "rill_spec_decode_num_draft_tokens_total",
+                "Speculative decoding: tokens proposed and verified",
+            ),
+            spec_decode_accepted_tokens: counter(
+                &registry,
+                "rill_spec_decode_num_accepted_tokens_total",
+                "Speculative decoding: proposed tokens accepted (equal to the token sampled at their position)",
+            ),
+            spec_decode_proposal_seconds: float_counter(
+                &registry,
+                "rill_spec_decode_proposal_seconds_total",
+                "Speculative decoding: seconds the engine loop spent making proposals",
             ),
             grammar_compile_seconds: register(
                 &registry,

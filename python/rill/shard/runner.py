@@ -202,11 +202,13 @@ class ModelRunner:
         max_batch_size: int,
         max_total_kv_tokens: int,
         swap_space_bytes: int | None = 0,
+        max_speculative_tokens: int = 0,
     ) -> WarmupResult:
-        """Runs a forward at the largest batch the router will send, then allocates the pool (and a swap
-        pool of `swap_space_bytes`, None: a share of the host memory left); returns their sizes in blocks,
-        null block 0 included, why they have them, and the measured costs of recomputing a token and of
-        swapping a block."""
+        """Runs a forward at the largest batch the router will send (sampling `max_speculative_tokens` more
+        positions, as verifying that many proposals does), then allocates the pool (and a swap pool of
+        `swap_space_bytes`, None: a share of the host memory left); returns their sizes in blocks, null block
+        0 included, why they have them, and the measured costs of recomputing a token and of swapping a
+        block."""
         if not 1 <= max_batch_size <= max_batch_tokens:
             raise ValueError(
                 f"need 1 <= max_batch_size <= max_batch_tokens, got max_batch_size={max_batch_size}, "
@@ -231,6 +233,7 @@ class ModelRunner:
                     block_table=list(range(next_block, next_block + num_blocks)),
                     sample=True,
                     params=dataclasses.replace(WARMUP_PARAMS, seed=i),
+                    num_speculative_tokens=min(max_speculative_tokens, length - 1) if i == 0 else 0,
                 )
             )
             next_block += num_blocks

@@ -169,6 +169,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 request.max_batch_size,
                 request.max_total_kv_tokens,
                 request.swap_space_bytes if request.HasField("swap_space_bytes") else None,
+                request.max_speculative_tokens,
             ),
         )
         return shard_pb2.WarmupResponse(

@@ -22,6 +22,7 @@ use crate::{
     metrics::{Metrics, Outcome},
     scheduler::{BatchingMode, PreemptionConfig, Scheduler, SchedulerConfig, StepPlan},
     shard::{pb, ShardClient},
+    speculative::SpeculativeConfig,
     telemetry,
 };
 
@@ -41,6 +42,8 @@ pub struct EngineConfig {
     pub max_pinned_kv_fraction: f64,
     /// How preempted sequences give up their blocks (`--preemption-mode`), and the swap pool's size.
     pub preemption: PreemptionConfig,
+    /// Speculative decoding (`--speculative`); None = off.
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// The engine task's state: every sequence, the KV pools, and the scheduler that plans each step.
@@ -53,6 +56,7 @@ pub struct EngineCore {
     pub(super) warmup: pb::WarmupRequest,
     pub(super) prefix_caching: bool,
     pub(super) max_pinned_kv_fraction: f64,
+    pub(super) speculative: Option<SpeculativeConfig>,
     pub(super) kv: KvPool,
     pub(super) queues: Queues,
     pub(super) swap: SwapPool,
@@ -87,6 +91,7 @@ impl EngineCore {
             warmup: config.warmup,
             prefix_caching: config.prefix_caching,
             max_pinned_kv_fraction: config.max_pinned_kv_fraction,
+            speculative: config.speculative,
             kv,
             queues: Queues::default(),
             swap: SwapPool::new(config.preemption.num_host_blocks),

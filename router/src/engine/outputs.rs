@@ -1,6 +1,8 @@
 //! Output application: after a forward pass, the scheduled sequences advance (newly computed prompt
 //! blocks enter the prefix cache, choices waiting on a prompt start), and each sampled token is appended:
-//! text, stop checks, events, latency metrics, and the release of sequences that finished.
+//! text, stop checks, events, latency metrics, and the release of sequences that finished. A sequence that
+//! verified proposals (speculative decoding) gets one token per verified position: its proposals are kept
+//! while each equals the token sampled at its position, and the blocks of the rejected rest go back.
 
 use std::time::Instant;
 
@@ -8,20 +10,63 @@ use super::{
     request::{Sequence, TokenOutcome},
     EngineCore,
 };
-use crate::{kv::CacheActivity, metrics::Outcome, scheduler::StepPlan, shard::pb};
+use crate::{kv::CacheActivity, metrics::Outcome, scheduler::StepPlan, shard::pb, speculative::next_proposal_len};
 
 impl EngineCore {
     pub(super) fn apply_outputs(&mut self, plan: &StepPlan, response: pb::ForwardResponse) {
         self.advance(plan);
-        for generation in &response.generations {
-            let Some(i) = self.queues.running.iter().position(|seq| seq.id.0 == generation.id) else {
-                tracing::error!(
-                    id = generation.id,
-                    "a shard returned a token for a sequence not in the step"
-                );
+        // A sequence's tokens are consecutive: one per position it sampled at.
+        for generations in response.generations.chunk_by(|a, b| a.id == b.id) {
+            let id = generations[0].id;
+            let Some(i) = self.queues.running.iter().position(|seq| seq.id.0 == id) else {
+                tracing::error!(id, "a shard returned a token for a sequence not in the step");
                 continue;
             };
-            self.append_token(i, generation);
+            self.append_generated(i, generations);
+        }
+    }
+
+    /// Appends the tokens `running[i]` sampled: the first, then while the proposal the step verified
+    /// agrees with what was sampled before, the next (its proposed token's K/V are then computed). The
+    /// blocks past its computed tokens (rejected proposals') go back to the pool.
+    fn append_generated(&mut self, i: usize, generations: &[pb::Generation]) {
+        let proposal = std::mem::take(&mut self.queues.running[i].proposal);
+        if generations.len() != proposal.len() + 1 {
+            tracing::error!(
+                id = generations[0].id,
+                tokens = generations.len(),
+                proposed = proposal.len(),
+                "a shard returned a token count that does not match the positions sampled; keeping the first"
+            );
+        }
+        let mut num_accepted = 0;
+        for (j, generation) in generations.iter().enumerate() {
+            if !self.append_token(i, generation) {
+                break;
+            }
+            if proposal.get(j) != Some(&generation.token_id) || j + 1 == generations.len() {
+                break;
+            }
+            num_accepted += 1;
+            self.queues.running[i].num_computed_tokens += 1;
+        }
+        if !proposal.is_empty() {
+            self.metrics.spec_decode_drafts.inc();
+            self.metrics.spec_decode_draft_tokens.inc_by(proposal.len() as u64);
+            self.metrics.spec_decode_accepted_tokens.inc_by(num_accepted as u64);
+        }
+        let Some(seq) = self.queues.running.get_mut(i).filter(|seq| seq.id.0 == generations[0].id) else {
+            return; // it finished
+        };
+        if let Some(config) = self.speculative {
+            if !proposal.is_empty() {
+                seq.max_proposal_len = next_proposal_len(proposal.len(), num_accepted, config.max_proposed_tokens);
+            }
+        }
+        let num_kept = seq.num_computed_tokens.div_ceil(self.scheduler.config.block_size);
+        if seq.blocks.len() > num_kept {
+            let rejected = seq.blocks.split_off(num_kept);
+            self.kv.release(&rejected);
         }
     }
 
@@ -33,7 +78,8 @@ impl EngineCore {
             let i = self.queues.running_index(scheduled.id);
             let seq = &mut self.queues.running[i];
             let was_in_prompt = seq.num_computed_tokens < seq.num_prompt_tokens;
-            seq.num_computed_tokens += scheduled.num_scheduled_tokens;
+            // Proposals count once accepted (`append_generated`).
+            seq.num_computed_tokens += scheduled.num_scheduled_tokens - scheduled.num_speculative_tokens;
             if was_in_prompt {
                 let num_tokens = seq.num_computed_tokens.min(seq.num_prompt_tokens);
                 self.kv.cache(
@@ -49,8 +95,8 @@ impl EngineCore {
         }
     }
 
-    /// Appends a sampled token to `running[i]`; a sequence that finished or failed leaves.
-    fn append_token(&mut self, i: usize, generation: &pb::Generation) {
+    /// Appends a sampled token to `running[i]`; a sequence that finished or failed leaves (false).
+    fn append_token(&mut self, i: usize, generation: &pb::Generation) -> bool {
         let seq = &mut self.queues.running[i];
         let now = Instant::now();
         if seq.first_token_at.is_none() {
@@ -71,13 +117,15 @@ impl EngineCore {
                 self.count_success(&seq, now);
                 self.pin_prefix(&seq, now);
                 self.release(&mut seq);
+                false
             }
             TokenOutcome::Failed => {
                 let mut seq = self.queues.running.remove(i);
                 self.metrics.count_request(Outcome::Failed);
                 self.release(&mut seq);
+                false
             }
-            TokenOutcome::Continue => {}
+            TokenOutcome::Continue => true,
         }
     }
 

@@ -8,8 +8,9 @@ use std::{collections::HashMap, time::Instant};
 use super::{EngineCore, RequestId};
 use crate::{
     kv::{CacheActivity, PrefixMatch},
-    scheduler::{Preemption, SeqView, StepPlan, LOOKUP_WINDOW},
+    scheduler::{Preemption, Scheduled, SeqView, StepPlan, LOOKUP_WINDOW},
     shard::pb,
+    speculative::ngram_proposal,
 };
 
 /// The cached prefix of each waiting request the scheduler's views were built from (those in its look-up
@@ -25,6 +26,7 @@ impl EngineCore {
     /// prefix hits its views of waiting requests show.
     pub(super) fn plan(&mut self, now: Instant) -> (StepPlan, PrefixHits) {
         self.release_out_of_window();
+        self.propose();
         let running: Vec<_> = self
             .queues
             .running
@@ -42,6 +44,20 @@ impl EngineCore {
             self.swap.num_free_blocks() as usize,
         );
         (plan, prefix_hits)
+    }
+
+    /// Speculative decoding: each decoding sequence's proposal for this step (prompt lookup over its own
+    /// tokens); the scheduler decides how much of it the step computes.
+    fn propose(&mut self) {
+        let Some(config) = self.speculative else { return };
+        let started = Instant::now();
+        for seq in &mut self.queues.running {
+            let room = seq.proposal_room().min(config.max_proposed_tokens);
+            seq.proposal = ngram_proposal(&seq.token_ids, config.ngram_min, config.ngram_max, room);
+        }
+        self.metrics
+            .spec_decode_proposal_seconds
+            .inc_by(started.elapsed().as_secs_f64());
     }
 
     /// With a sliding window on every layer: each running sequence releases the blocks no future query
@@ -134,7 +150,7 @@ impl EngineCore {
                 .kv
                 .allocate(scheduled.num_new_blocks, &mut activity)
                 .expect("the plan fits the free and evictable blocks");
-            chunks.push(self.chunk(i, blocks, scheduled.num_scheduled_tokens));
+            chunks.push(self.chunk(i, blocks, scheduled));
         }
         self.count_cache_activity(activity);
         chunks
@@ -215,7 +231,8 @@ impl EngineCore {
 
     /// Gives `running[i]` its new `blocks` (a resumed sequence's K/V come back into the first of them,
     /// before the forward) and returns its share of the forward call.
-    fn chunk(&mut self, i: usize, blocks: Vec<u32>, num_scheduled_tokens: usize) -> pb::SequenceChunk {
+    fn chunk(&mut self, i: usize, blocks: Vec<u32>, scheduled: &Scheduled) -> pb::SequenceChunk {
+        let num_tokens = scheduled.num_scheduled_tokens - scheduled.num_speculative_tokens;
         let seq = &mut self.queues.running[i];
         if !seq.host_blocks.is_empty() {
             let host_blocks = std::mem::take(&mut seq.host_blocks);
@@ -227,11 +244,12 @@ impl EngineCore {
         let num_prompt_tokens = seq
             .num_prompt_tokens
             .saturating_sub(seq.num_computed_tokens)
-            .min(num_scheduled_tokens);
+            .min(num_tokens);
         self.metrics.prompt_tokens_computed.inc_by(num_prompt_tokens as u64);
         self.stats.num_prompt_tokens_computed += num_prompt_tokens as u64;
         seq.chunk(
-            num_scheduled_tokens,
+            num_tokens,
+            scheduled.num_speculative_tokens,
             &self.eos_token_ids,
             &self.metrics.grammar_mask_seconds,
         )

@@ -73,6 +73,11 @@ pub struct Sequence {
     /// The client fell too far behind the stream and was sent `EngineError::SlowReader`; the next
     /// iteration cancels the sequence.
     pub is_slow_reader: bool,
+    /// Speculative decoding: the tokens proposed to follow `token_ids` this step (empty when none); the
+    /// step's chunk carries those the scheduler gave room to.
+    pub proposal: Vec<u32>,
+    /// Speculative decoding: the most tokens it proposes next (`speculative::next_proposal_len`).
+    pub max_proposal_len: usize,
     request: ValidRequest,
     events: EventSender,
     /// Under a grammar: where the generated tokens so far stand in it. Each sampled chunk carries the
@@ -127,6 +132,8 @@ impl Sequence {
             queue_span: Some(queue_span),
             deadline,
             is_slow_reader: false,
+            proposal: Vec::new(),
+            max_proposal_len: usize::MAX,
             detokenizer: IncrementalDetokenizer::new(
                 &request.prompt_ids,
                 request.skip_special_tokens,
@@ -155,7 +162,20 @@ impl Sequence {
             is_deferred: false,
             max_num_tokens: self.num_prompt_tokens + self.request.max_new_tokens as usize,
             adapter_id: self.adapter_id(),
+            num_proposed_tokens: self.proposal.len(),
         }
+    }
+
+    /// Whether proposals may be made for it now: it is decoding (its one uncomputed token is the last
+    /// sampled), not under a grammar (a proposal could leave it), and has tokens left to generate after
+    /// the next one. Returns how many at most.
+    pub fn proposal_room(&self) -> usize {
+        let is_decoding = self.token_ids.len() - self.num_computed_tokens == 1;
+        if !is_decoding || self.grammar.is_some() {
+            return 0;
+        }
+        let num_left = (self.request.max_new_tokens as usize).saturating_sub(self.num_generated_tokens());
+        num_left.saturating_sub(1).min(self.max_proposal_len)
     }
 
     /// The LoRA adapter it runs with (0: the base model).
@@ -226,16 +246,20 @@ impl Sequence {
         }
     }
 
-    /// This sequence's part of a forward call computing `num_tokens` of its tokens; the time its grammar
-    /// mask takes is added to `mask_seconds`.
+    /// This sequence's part of a forward call computing `num_tokens` of its tokens, then the first
+    /// `num_speculative_tokens` of its proposal (kept as the proposal to verify, the rest dropped); the
+    /// time its grammar mask takes is added to `mask_seconds`.
     pub fn chunk(
         &mut self,
         num_tokens: usize,
+        num_speculative_tokens: usize,
         eos_token_ids: &HashSet<u32>,
         mask_seconds: &prometheus::Counter,
     ) -> pb::SequenceChunk {
         let start = self.num_computed_tokens;
         let end = start + num_tokens;
+        self.proposal.truncate(num_speculative_tokens);
+        debug_assert_eq!(self.proposal.len(), num_speculative_tokens, "the plan verifies what was proposed");
         let is_first_call = !self.is_known_to_shards;
         let params = is_first_call.then(|| self.sampling_params(eos_token_ids));
         // A penalty needs the whole history; tokens whose K/V were reused never reached the shard.
@@ -248,7 +272,7 @@ impl Sequence {
         let sample = end == self.token_ids.len();
         pb::SequenceChunk {
             id: self.id.0,
-            token_ids: self.token_ids[start..end].to_vec(),
+            token_ids: [&self.token_ids[start..end], &self.proposal[..]].concat(),
             num_computed_tokens: start as u32,
             block_table: self.blocks.clone(),
             sample,
@@ -256,7 +280,7 @@ impl Sequence {
             cached_token_ids,
             // With `params` only, as the contract says; the shard keeps it with them.
             adapter_id: if is_first_call { self.adapter_id() } else { 0 },
-            num_speculative_tokens: 0,
+            num_speculative_tokens: num_speculative_tokens as u32,
             allowed_token_bitmask: if sample && self.grammar.is_some() {
                 let started = Instant::now();
                 let mask = self.allowed_tokens(eos_token_ids);

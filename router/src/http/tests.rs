@@ -141,6 +141,7 @@ pub(super) fn test_config(
             preemption_mode,
             swap_space_bytes: Some(0),
             kv_admission,
+            speculative: None,
         },
         lora: Default::default(),
     }
@@ -188,7 +189,7 @@ pub(super) async fn post(app: &Router, uri: &str, body: Value) -> (StatusCode, a
     (status, headers, String::from_utf8(bytes.to_vec()).expect("utf-8 body"))
 }
 
-async fn generate(app: &Router, inputs: &str, max_new_tokens: u32) -> Value {
+pub(super) async fn generate(app: &Router, inputs: &str, max_new_tokens: u32) -> Value {
     let body = json!({"inputs": inputs, "parameters": {"max_new_tokens": max_new_tokens, "details": true}});
     let (status, _, text) = post(app, "/generate", body).await;
     assert_eq!(status, StatusCode::OK, "{text}");

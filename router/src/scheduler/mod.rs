@@ -71,6 +71,9 @@ pub struct SchedulerConfig {
     /// The shards' LoRA slots (Info's `max_loras`): the most distinct adapters the running sequences may
     /// use (see `AdapterSlots`); 0 with LoRA off (every sequence then runs the base model).
     pub max_loras: usize,
+    /// With speculative decoding (`SpeculativeConfig::max_step_tokens`): proposals join a step only while
+    /// its decodes and proposals stay within this many tokens. 0 with speculation off.
+    pub speculative_max_step_tokens: usize,
 }
 
 impl SchedulerConfig {
@@ -125,14 +128,19 @@ pub struct SeqView {
     pub max_num_tokens: usize,
     /// The LoRA adapter it runs with (0: the base model).
     pub adapter_id: u32,
+    /// Running and decoding only, with speculative decoding: the tokens proposed for it this step (it
+    /// computes them too, where the step has room, and the shards verify them).
+    pub num_proposed_tokens: usize,
 }
 
 /// One sequence's share of an iteration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Scheduled {
     pub id: RequestId,
-    /// Tokens it computes in this forward pass (1 for a decode step).
+    /// Tokens it computes in this forward pass (1 for a decode step), `num_speculative_tokens` included.
     pub num_scheduled_tokens: usize,
+    /// Of those, proposed tokens to verify (speculative decoding): the first of its proposals. 0 otherwise.
+    pub num_speculative_tokens: usize,
     /// Blocks to allocate to it before the forward pass.
     pub num_new_blocks: usize,
 }
@@ -230,7 +238,10 @@ pub fn admission_order(waiting: &[SeqView], max_times_overtaken: u32) -> Vec<usi
 ///
 /// 1. Running sequences get what they lack within the token budget: decodes first (one token each),
 ///    then sequences mid-prefill (the rest of their prompt). Decodes therefore always run, and a long
-///    prompt only ever takes what is left of the budget: it never stalls running streams.
+///    prompt only ever takes what is left of the budget: it never stalls running streams. A decode with
+///    proposed tokens (speculative decoding) computes them too, oldest sequences first, while the decodes
+///    and proposals stay within `speculative_max_step_tokens`, the budget allows and free blocks remain:
+///    proposals count in the token budget, and never cause a preemption.
 /// 2. If a running sequence needs a block and none is free, a victim is preempted until the block fits:
 ///    the lowest priority first (it matters least), and among equals the one with the fewest computed
 ///    tokens (its suspension throws away the least work). A sequence that is itself the only candidate
@@ -270,6 +281,13 @@ pub fn schedule(
     let mut pending: Vec<(usize, SeqView)> = running.iter().copied().enumerate().collect();
     pending.sort_by_key(|(age, seq)| (seq.num_tokens - seq.num_computed_tokens > 1, *age));
     pending.reverse();
+    // Proposals (speculative decoding) share what the decodes leave of the speculative step budget, the
+    // oldest sequences first.
+    let num_decodes = running
+        .iter()
+        .filter(|seq| seq.num_tokens - seq.num_computed_tokens == 1)
+        .count();
+    let mut proposals_left = config.speculative_max_step_tokens.saturating_sub(num_decodes);
 
     while let Some((_, seq)) = pending.pop() {
         if plan.scheduled.len() == config.max_batch_size || tokens_left == 0 {
@@ -277,12 +295,23 @@ pub fn schedule(
         }
         let num_lacking = seq.num_tokens - seq.num_computed_tokens;
         let mut num_tokens;
+        let mut num_speculative_tokens = 0;
         loop {
             let capacity = (seq.num_blocks + free_blocks) * config.block_size;
             num_tokens = num_lacking.min(tokens_left);
             if num_lacking > 1 {
                 // Mid-prefill: shrink the chunk to the blocks there are rather than evict decodes.
                 num_tokens = num_tokens.min(capacity.saturating_sub(seq.num_computed_tokens));
+            } else if num_tokens == 1 {
+                // Proposals ride along where the budgets and the free blocks allow; never at the price of
+                // a preemption.
+                let room = capacity.saturating_sub(seq.num_computed_tokens + 1);
+                num_speculative_tokens = seq
+                    .num_proposed_tokens
+                    .min(proposals_left)
+                    .min(tokens_left - 1)
+                    .min(room);
+                num_tokens += num_speculative_tokens;
             }
             if num_tokens > 0 && seq.num_computed_tokens + num_tokens <= capacity {
                 break;
@@ -310,9 +339,11 @@ pub fn schedule(
         }
         free_blocks -= num_new_blocks;
         tokens_left -= num_tokens;
+        proposals_left -= num_speculative_tokens;
         plan.scheduled.push(Scheduled {
             id: seq.id,
             num_scheduled_tokens: num_tokens,
+            num_speculative_tokens,
             num_new_blocks,
         });
     }
@@ -345,6 +376,7 @@ pub fn schedule(
         plan.scheduled.push(Scheduled {
             id: seq.id,
             num_scheduled_tokens: num_tokens,
+            num_speculative_tokens: 0,
             num_new_blocks,
         });
     }
@@ -406,6 +438,7 @@ pub fn schedule(
         plan.scheduled.push(Scheduled {
             id: seq.id,
             num_scheduled_tokens: num_tokens,
+            num_speculative_tokens: 0,
             num_new_blocks,
         });
     }

@@ -166,6 +166,7 @@ mod tests {
             max_times_overtaken: 8,
             kv_window: 0,
             max_loras: 0,
+            speculative_max_step_tokens: 0,
         };
         let preemption = PreemptionConfig {
             mode,

@@ -16,6 +16,7 @@ fn config(max_batch_tokens: usize, max_batch_size: usize) -> SchedulerConfig {
         max_times_overtaken: 8,
         kv_window: 0,
         max_loras: 0,
+        speculative_max_step_tokens: 0,
     }
 }
 
@@ -34,6 +35,7 @@ pub(super) fn seq(id: u64, num_tokens: usize, num_computed_tokens: usize, num_bl
         is_deferred: false,
         max_num_tokens: num_tokens,
         adapter_id: 0,
+        num_proposed_tokens: 0,
     }
 }
 
@@ -52,6 +54,7 @@ fn decodes_first_then_prompt_chunks_fill_the_budget() {
         Scheduled {
             id: RequestId(1),
             num_scheduled_tokens: 1,
+            num_speculative_tokens: 0,
             num_new_blocks: 1
         }
     );
@@ -60,6 +63,7 @@ fn decodes_first_then_prompt_chunks_fill_the_budget() {
         Scheduled {
             id: RequestId(2),
             num_scheduled_tokens: 1,
+            num_speculative_tokens: 0,
             num_new_blocks: 1
         }
     );
@@ -68,6 +72,7 @@ fn decodes_first_then_prompt_chunks_fill_the_budget() {
         Scheduled {
             id: RequestId(3),
             num_scheduled_tokens: 14,
+            num_speculative_tokens: 0,
             num_new_blocks: 4
         }
     );
@@ -147,6 +152,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             max_times_overtaken: 4,
             kv_window: 0,
             max_loras: rng.random_range(0..3),
+            speculative_max_step_tokens: rng.random_range(0..12),
         };
         let num_requests = rng.random_range(1..40);
         // Every request must fit the pool alone, as validation guarantees.
@@ -179,6 +185,12 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 });
                 next_arrival += 1;
             }
+            for s in running.iter_mut() {
+                // Speculative decoding: a decoding sequence may have proposals (never past its end).
+                let is_decoding = s.view.num_tokens - s.view.num_computed_tokens == 1;
+                let num_left = s.num_final_tokens - s.view.num_tokens;
+                s.view.num_proposed_tokens = if is_decoding { rng.random_range(0..=num_left.min(4)) } else { 0 };
+            }
             let running_views: Vec<_> = running.iter().map(|s| s.view).collect();
             let waiting_views: Vec<_> = waiting.iter().map(|s| s.view).collect();
             let swapped_views: Vec<_> = swapped.iter().map(|s| s.view).collect();
@@ -191,6 +203,12 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
             );
 
             assert!(plan.num_scheduled_tokens() <= cfg.max_batch_tokens);
+            let num_decodes = running_views
+                .iter()
+                .filter(|v| v.num_tokens - v.num_computed_tokens == 1)
+                .count();
+            let num_proposals: usize = plan.scheduled.iter().map(|s| s.num_speculative_tokens).sum();
+            assert!(num_proposals <= cfg.speculative_max_step_tokens.saturating_sub(num_decodes));
             assert!(plan.scheduled.len() <= cfg.max_batch_size);
             if cfg.kv_admission == KvAdmission::Reserve {
                 assert!(plan.preempted.is_empty(), "reserve admission never preempts");
@@ -252,11 +270,25 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 s.blocks.extend(new);
                 s.view.num_blocks = s.blocks.len();
                 s.view.num_freeable_blocks = s.blocks.len();
-                s.view.num_computed_tokens += step.num_scheduled_tokens;
+                assert!(step.num_speculative_tokens <= s.view.num_proposed_tokens);
+                assert!(step.num_speculative_tokens == 0 || step.num_scheduled_tokens == step.num_speculative_tokens + 1);
+                assert!(
+                    s.view.num_computed_tokens + step.num_scheduled_tokens <= s.blocks.len() * cfg.block_size,
+                    "the proposals have their blocks"
+                );
+                let num_real_tokens = step.num_scheduled_tokens - step.num_speculative_tokens;
+                s.view.num_computed_tokens += num_real_tokens;
                 assert!(s.view.num_computed_tokens <= s.view.num_tokens);
-                assert!(s.view.num_computed_tokens <= s.blocks.len() * cfg.block_size);
                 if s.view.num_computed_tokens == s.view.num_tokens {
-                    s.view.num_tokens += 1; // the sampled token
+                    // Some proposals are accepted (they were computed), then the sampled token.
+                    let num_accepted = rng.random_range(0..=step.num_speculative_tokens);
+                    s.view.num_computed_tokens += num_accepted;
+                    s.view.num_tokens += num_accepted + 1;
+                    // The blocks of rejected proposals go back, as the engine does.
+                    let num_kept = s.view.num_computed_tokens.div_ceil(cfg.block_size);
+                    allocator.free(&s.blocks.split_off(num_kept)).expect("rejected blocks are owned");
+                    s.view.num_blocks = s.blocks.len();
+                    s.view.num_freeable_blocks = s.blocks.len();
                 }
             }
             running.retain(|s| {
@@ -380,6 +412,7 @@ fn swapped_sequences_resume_before_new_admissions() {
         vec![Scheduled {
             id: RequestId(7),
             num_scheduled_tokens: 1,
+            num_speculative_tokens: 0,
             num_new_blocks: 3
         }]
     );
@@ -519,4 +552,58 @@ fn a_swapped_sequence_resumes_only_within_the_adapter_bound() {
     let plan = schedule(&cfg, &running, &swapped, &waiting, 100);
     assert_eq!(plan.resumed, vec![RequestId(3)], "2 waits for adapter 1 to end");
     assert_eq!(plan.admitted, vec![RequestId(5)], "only base requests join meanwhile");
+}
+
+fn with_proposals(mut view: SeqView, num_proposed_tokens: usize) -> SeqView {
+    view.num_proposed_tokens = num_proposed_tokens;
+    view
+}
+
+#[test]
+fn proposals_ride_along_within_the_speculative_step_budget_oldest_first() {
+    let mut cfg = config(64, 8);
+    cfg.speculative_max_step_tokens = 8;
+    // Three decodes (8 - 3 = 5 proposal tokens left), then a prompt mid-prefill.
+    let running = [
+        with_proposals(seq(1, 9, 8, 3), 4),
+        with_proposals(seq(2, 9, 8, 3), 4),
+        with_proposals(seq(3, 9, 8, 3), 4),
+        seq(4, 30, 4, 1),
+    ];
+    let plan = schedule(&cfg, &running, &[], &[], 100);
+    let spec: Vec<_> = plan
+        .scheduled
+        .iter()
+        .map(|s| (s.id.0, s.num_scheduled_tokens, s.num_speculative_tokens))
+        .collect();
+    assert_eq!(spec, [(1, 5, 4), (2, 2, 1), (3, 1, 0), (4, 26, 0)]);
+    // The proposals count in the token budget: the prompt chunk took what was left.
+    assert_eq!(plan.num_scheduled_tokens(), 34);
+    assert!(!plan.is_decode_only());
+}
+
+#[test]
+fn proposals_never_preempt_nor_exceed_the_token_budget() {
+    let mut cfg = config(3, 8);
+    cfg.speculative_max_step_tokens = 64;
+    // Block size 4: sequence 1 holds 2 blocks (8 positions) and computes position 8, so it needs a new
+    // block; there is one free block, enough for positions 8..12: 3 proposals fit, the budget allows 2.
+    let running = [with_proposals(seq(1, 9, 8, 2), 4)];
+    let plan = schedule(&cfg, &running, &[], &[], 1);
+    assert_eq!(plan.scheduled[0].num_speculative_tokens, 2);
+    assert!(plan.preempted.is_empty());
+    // Without a free block for the proposals (it computes position 11, the last of its third block), none.
+    let running = [with_proposals(seq(1, 12, 11, 3), 4)];
+    let plan = schedule(&config_with_spec(64), &running, &[], &[], 0);
+    assert!(plan.preempted.is_empty());
+    assert_eq!(plan.scheduled[0].num_speculative_tokens, 0);
+    // Off: no proposal is ever scheduled.
+    let running = [with_proposals(seq(1, 9, 8, 3), 4)];
+    assert_eq!(schedule(&config(64, 8), &running, &[], &[], 100).scheduled[0].num_speculative_tokens, 0);
+}
+
+fn config_with_spec(speculative_max_step_tokens: usize) -> SchedulerConfig {
+    let mut cfg = config(64, 8);
+    cfg.speculative_max_step_tokens = speculative_max_step_tokens;
+    cfg
 }

@@ -202,14 +202,19 @@ impl FakeShard {
                     .expect("entry made above")
                     .insert(start + k, token);
             }
+            let num_speculative = chunk.num_speculative_tokens as usize;
+            if num_speculative > 0 && (!chunk.sample || num_speculative >= chunk.token_ids.len()) {
+                return Err(invalid(format!("sequence {} has a bad num_speculative_tokens", chunk.id)));
+            }
             if chunk.sample {
-                let last = *chunk.token_ids.last().expect("chunks are not empty");
-                generations.push(pb::Generation {
+                // One token per sampled position: the chunk's last, and each proposal's.
+                let sampled = &chunk.token_ids[chunk.token_ids.len() - 1 - num_speculative..];
+                generations.extend(sampled.iter().map(|&token| pb::Generation {
                     id: chunk.id,
-                    token_id: (last + 1) % FAKE_VOCAB_SIZE,
+                    token_id: (token + 1) % FAKE_VOCAB_SIZE,
                     logprob: -0.5,
                     top_logprobs: Vec::new(),
-                });
+                }));
             }
         }
         if adapters_used.len() > self.max_loras as usize {

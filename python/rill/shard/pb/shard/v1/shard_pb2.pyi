@@ -47,16 +47,18 @@ class HealthResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class WarmupRequest(_message.Message):
-    __slots__ = ("max_batch_tokens", "max_batch_size", "max_total_kv_tokens", "swap_space_bytes")
+    __slots__ = ("max_batch_tokens", "max_batch_size", "max_total_kv_tokens", "swap_space_bytes", "max_speculative_tokens")
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOTAL_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SWAP_SPACE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_batch_tokens: int
     max_batch_size: int
     max_total_kv_tokens: int
     swap_space_bytes: int
-    def __init__(self, max_batch_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_total_kv_tokens: _Optional[int] = ..., swap_space_bytes: _Optional[int] = ...) -> None: ...
+    max_speculative_tokens: int
+    def __init__(self, max_batch_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_total_kv_tokens: _Optional[int] = ..., swap_space_bytes: _Optional[int] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class WarmupResponse(_message.Message):
     __slots__ = ("num_blocks", "num_host_blocks", "swap_seconds_per_block", "prefill_seconds_per_token", "bytes_per_block", "kv_pool_reason", "swap_pool_reason")
