@@ -49,7 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bench.cli", "bench.__main__"),
     ("bench.harness",),  # starts Rill and runs the cli against it, for the suites
     ("bench.peers", "bench.agents"),
-    ("bench.lora",),  # runs the peers workload
+    ("bench.lora", "bench.speculative"),  # run the peers workload
     ("bench.suite",),
 ]
 
