@@ -1,13 +1,13 @@
 """Speculative decoding by prompt lookup (`--speculative ngram`): Rill with and without it, side by side in
-one run, where answers copy their prompt and where they do not.
+one run, where answers copy their prompt and where nothing asks them to.
 
     python -m bench.suite speculative [--num-requests 24] [--num-threads N]
 
 Starts Rill twice — speculation off, and `--speculative ngram --num-speculative-tokens 4` — and runs
 `python -m bench compare` (off first, then on) on the `repeat` workload through the chat API (greedy: copy
 a function or two paragraphs with one rename) at 1, 4 and 16 clients (`--num-requests` requests, at most 4
-a client), then on the peers workload (random words, 16 clients, `--num-requests`), whose answers do not
-copy their prompt: what drafts that fail cost. Ratios are on / off. After each run it reads the
+a client), then on the peers workload (random words, 16 clients, `--num-requests`), which asks for no
+copying: what speculation costs where its drafts mostly fail. Ratios are on / off. After each run it reads the
 speculating server's `/metrics` for its acceptance rate (accepted / proposed tokens) and the tokens accepted
 per draft. Speculation changes no token, so the two sides' answers have the same lengths, request by
 request; the suite checks that too. Last, it asks the server without speculation for the answer to each of
