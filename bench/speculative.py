@@ -7,7 +7,7 @@ Starts Rill twice — speculation off, and `--speculative ngram --num-speculativ
 `python -m bench compare` (off first, then on) on the `repeat` workload through the chat API (greedy: copy
 a function or two paragraphs with one rename) at 1, 4 and 16 clients (`--num-requests` requests, at most 4
 a client), then on the peers workload (random words, 16 clients, `--num-requests`), which asks for no
-copying: what speculation costs where its drafts mostly fail. Ratios are on / off. After each run it reads the
+copying: what speculation costs with less to copy. Ratios are on / off. After each run it reads the
 speculating server's `/metrics` for its acceptance rate (accepted / proposed tokens) and the tokens accepted
 per draft. Speculation changes no token, so the two sides' answers have the same lengths, request by
 request; the suite checks that too. Last, it asks the server without speculation for the answer to each of
