@@ -4,7 +4,9 @@ Run it as `python -m bench --help`; `bench/README.md` shows example commands.
 
 Modules, in the order a run uses them:
 - `workloads`: seeded prompts and output lengths, grouped into sessions (a chat is a session of turns);
-- `client`: one streamed request per API flavour, timed into a `RequestRecord`;
+  `repeat_texts`: the hand-written code and prose of the `repeat` workload;
+- `client`: one streamed request per API flavour (native, OpenAI completions or chat), timed into a
+  `RequestRecord`;
 - `runner`: arrivals (Poisson, bursts or fixed concurrency), the duration bound, the progress bar;
 - `stats`: percentiles and the summary of a run, and b/a ratios;
 - `report` and `plots`: the printed tables, the JSON file, the PNGs;

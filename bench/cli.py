@@ -41,8 +41,8 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
         "--api",
         choices=API_FLAVOURS,
         default="native",
-        help="openai: POST /v1/completions (stream, include_usage); "
-        "native: Rill/TGI POST /generate_stream (default: %(default)s)",
+        help="openai: POST /v1/completions (stream, include_usage); chat: POST /v1/chat/completions, "
+        "the prompt as one user message; native: Rill/TGI POST /generate_stream (default: %(default)s)",
     )
     group.add_argument(
         "--model",
@@ -58,7 +58,7 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="OpenAI flavour: send vLLM's ignore_eos=true so every answer runs to its max tokens",
+        help="OpenAI flavours: send vLLM's ignore_eos=true so every answer runs to its max tokens",
     )
     group.add_argument(
         "--timeout",

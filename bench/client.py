@@ -1,8 +1,8 @@
 """One streamed request, timed: the two API flavours and the SSE reader they share.
 
 Timing rules (the same for both flavours):
-- a *token event* is a native `data:` event with a `token`, or an OpenAI chunk whose `choices[0].text` is not
-  empty (an OpenAI chunk may carry several tokens; it is still one event);
+- a *token event* is a native `data:` event with a `token`, or an OpenAI chunk whose `choices[0].text` (chat:
+  `choices[0].delta.content`) is not empty (an OpenAI chunk may carry several tokens; it is still one event);
 - TTFT is the time from sending the request to the first token event whose text is not empty;
 - ITL is every gap between consecutive token events from that first one on;
 - e2e is the time from sending to the end of the stream (`data: [DONE]`, or the native event with `details`);
@@ -27,7 +27,7 @@ import aiohttp
 
 from bench.workloads import RequestSpec
 
-API_FLAVOURS = ("openai", "native")
+API_FLAVOURS = ("openai", "chat", "native")
 
 
 @dataclass
@@ -80,7 +80,7 @@ class Target:
     turn (`model_for`)."""
     temperature: float = 0.0
     ignore_eos: bool = False
-    """Send vLLM's `ignore_eos: true` (OpenAI flavour only) so outputs run to `max_tokens`."""
+    """Send vLLM's `ignore_eos: true` (OpenAI flavours only) so outputs run to `max_tokens`."""
 
     @property
     def name(self) -> str:
@@ -122,7 +122,7 @@ class OpenAIApi:
         event = StreamEvent()
         choices = payload.get("choices") or []
         if choices:
-            event.text = choices[0].get("text") or ""
+            event.text = self.text(choices[0])
             event.is_token = bool(event.text)
         usage = payload.get("usage")
         if usage and usage.get("completion_tokens") is not None:
@@ -130,6 +130,24 @@ class OpenAIApi:
         if usage and usage.get("prompt_tokens") is not None:
             event.num_prompt_tokens = int(usage["prompt_tokens"])
         return event
+
+    def text(self, choice: dict[str, Any]) -> str:
+        return str(choice.get("text") or "")
+
+
+class ChatApi(OpenAIApi):
+    """`POST /v1/chat/completions`, the prompt as one user message: the server applies the model's chat
+    template, which instruction-tuned models need to follow an instruction (the `repeat` workload's)."""
+
+    path = "/v1/chat/completions"
+
+    def body(self, spec: RequestSpec) -> dict[str, Any]:
+        body = super().body(spec)
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+        return body
+
+    def text(self, choice: dict[str, Any]) -> str:
+        return str((choice.get("delta") or {}).get("content") or "")
 
 
 class NativeApi:
@@ -168,6 +186,8 @@ class NativeApi:
 def make_api(target: Target) -> OpenAIApi | NativeApi:
     if target.api == "openai":
         return OpenAIApi(target)
+    if target.api == "chat":
+        return ChatApi(target)
     if target.api == "native":
         return NativeApi(target)
     raise ValueError(f"unknown API flavour {target.api!r}; choose one of {', '.join(API_FLAVOURS)}")
@@ -191,8 +211,8 @@ async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[st
 
 
 async def resolve_model(session: aiohttp.ClientSession, target: Target) -> Target:
-    """The target with `model` filled from `GET /v1/models` when the OpenAI flavour needs one."""
-    if target.api != "openai" or target.model is not None:
+    """The target with `model` filled from `GET /v1/models` when an OpenAI flavour needs one."""
+    if target.api == "native" or target.model is not None:
         return target
     try:
         async with session.get(target.url.rstrip("/") + "/v1/models") as response:

@@ -11,6 +11,7 @@ against each (back to back, in one run), and prints the ratios that docs/benchma
     python -m bench.suite constrained  # step time with 0, 8, 32 grammar-constrained sequences of 32; compile
     python -m bench.suite agents       # multi-turn agents under cache churn: chat vs pins vs Responses
     python -m bench.suite lora         # the peers workload with 0, 1 and 8 LoRA adapters vs no LoRA
+    python -m bench.suite speculative  # prompt-lookup speculation on vs off, on answers that copy and don't
 
 Every suite runs the default model on the CPU unless `--device`/`--model-id` say otherwise; `--json PATH`
 keeps every figure. The machine is shared and noisy: compare ratios measured in one run, not absolutes.
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import agents, lora, peers, roofline
+from bench import agents, lora, peers, roofline, speculative
 from bench.harness import Server, bench, compare, metrics, ratio, rill
 
 
@@ -259,6 +260,7 @@ SUITES = {
     "constrained": suite_constrained,
     "agents": agents.run,
     "lora": lora.run,
+    "speculative": speculative.run,
 }
 
 

@@ -5,10 +5,11 @@ session of 4 turns, every other workload has sessions of one request). Arrivals 
 `--request-rate` new sessions arrive at that rate, with `--concurrency C` C workers each run one session at
 a time.
 
-Prompts are seeded random English words, so the same `--seed` gives the same requests byte for byte on
-every machine. Without a tokenizer one word counts as one token (the words are common ones that Llama-family
-and GPT tokenizers encode as one token with its leading space), so lengths are approximate; with
-`--tokenizer tokenizer.json` prompts are cut to the exact token count.
+Prompts are seeded random English words (`repeat`: seeded picks of the hand-written texts of
+`bench.repeat_texts`), so the same `--seed` gives the same requests byte for byte on every machine. Without
+a tokenizer one word counts as one token (the words are common ones that Llama-family and GPT tokenizers
+encode as one token with its leading space), so lengths are approximate; with `--tokenizer tokenizer.json`
+prompts are cut to the exact token count.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("mixed", "long-prompts", "bursts", "shared-prefix", "chat", "random")
+from bench.repeat_texts import CODE, PROSE
+
+WORKLOADS = ("mixed", "long-prompts", "bursts", "shared-prefix", "chat", "random", "repeat")
 
 WORKLOAD_HELP = {
     "mixed": "prompts 16-2048 tokens and outputs 16-512 tokens, log-uniform",
@@ -28,11 +31,14 @@ WORKLOAD_HELP = {
     "shared-prefix": "one ~600-token prefix for all, then a short distinct question (16-48); outputs 32-128",
     "chat": "4-turn chats, each turn's prompt holds the previous turns; user turns 32-128, outputs 32-160",
     "random": "unrelated random prompts 64-1024 (a 0%% prefix-hit workload), outputs 32-256",
+    "repeat": "copy a Python function or two paragraphs with one rename (prompts 150-210 tokens as chat), "
+    "up to 256 tokens; send it with --api chat",
 }
 
 LONG_PROMPT_TOKENS = 4000
 SHARED_PREFIX_TOKENS = 600
 CHAT_TURNS = 4
+REPEAT_OUTPUT_TOKENS = 256  # more than the longest passage (about 190 tokens): a faithful copy ends by itself
 
 _WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but "
@@ -213,6 +219,34 @@ def _chat(b: _Builder) -> None:
         b.sessions.append(session)
 
 
+def repeat_prompts() -> list[str]:
+    """Every prompt of `repeat`: each code passage, and each prose passage followed by the next, with each of
+    its changes asked for."""
+    prompts = []
+    for passage in CODE:
+        for old, new in passage.changes:
+            prompts.append(
+                f"Copy this Python code line for line, changing only the name `{old}` to `{new}`:\n\n"
+                f"```python\n{passage.text}```"
+            )
+    for index, passage in enumerate(PROSE):
+        text = passage.text + "\n\n" + PROSE[(index + 1) % len(PROSE)].text
+        for old, new in passage.changes:
+            prompts.append(f'Copy this text word for word, changing only "{old}" to "{new}":\n\n{text}')
+    return prompts
+
+
+def _repeat(b: _Builder) -> None:
+    """Answers that copy their prompt (what agents and coding assistants often ask for): the workload of
+    prompt-lookup speculation. Requests draw from `repeat_prompts()` at random; greedy, a request that
+    repeats an earlier prompt gets the same answer (and a prefix-cache hit), on every server alike."""
+    prompts = repeat_prompts()
+    while b.num_requests < b.config.num_requests:
+        session: Session = []
+        b.add(session, b.rng.choice(prompts), b.output_len(REPEAT_OUTPUT_TOKENS))
+        b.sessions.append(session)
+
+
 _BUILDERS: dict[str, Callable[[_Builder], None]] = {
     "mixed": _mixed,
     "long-prompts": _long_prompts,
@@ -220,6 +254,7 @@ _BUILDERS: dict[str, Callable[[_Builder], None]] = {
     "shared-prefix": _shared_prefix,
     "chat": _chat,
     "random": _random,
+    "repeat": _repeat,
 }
 
 

@@ -35,14 +35,21 @@ LAYERS: list[tuple[str, ...]] = [
     ("rill.shard.server",),
     ("rill.launcher", "rill.__main__"),
     # The benchmarks, above all of rill (they may import any of it; rill imports none of them).
-    ("bench", "bench.workloads", "bench.servers", "bench.kernel_cases", "bench.roofline"),
+    (
+        "bench",
+        "bench.repeat_texts",
+        "bench.workloads",
+        "bench.servers",
+        "bench.kernel_cases",
+        "bench.roofline",
+    ),
     ("bench.client", "bench.cpu_kernels", "bench.gpu_check"),
     ("bench.stats", "bench.runner", "bench.plots", "bench.soak"),
     ("bench.report",),
     ("bench.cli", "bench.__main__"),
     ("bench.harness",),  # starts Rill and runs the cli against it, for the suites
     ("bench.peers", "bench.agents"),
-    ("bench.lora",),  # runs the peers workload
+    ("bench.lora", "bench.speculative"),  # run the peers workload
     ("bench.suite",),
 ]
 

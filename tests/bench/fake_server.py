@@ -1,6 +1,7 @@
 """A tiny OpenAI-compatible and Rill/TGI-native streaming server with known delays, for the bench tests.
 
-It serves `POST /v1/completions` (stream, `include_usage`), `POST /generate_stream`, and `GET /v1/models`
+It serves `POST /v1/completions` and `POST /v1/chat/completions` (stream, `include_usage`; a chat stream
+starts with a role-only chunk, as OpenAI's does), `POST /generate_stream`, and `GET /v1/models`
 from an aiohttp app on its own event loop in a thread, so the bench under test runs its own `asyncio.run`.
 Each answer waits `ttft_s`, sends its first token, then one token every `itl_s`; it has `max_tokens`
 (or `max_new_tokens`) tokens unless `num_tokens` caps it.
@@ -61,9 +62,10 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         app = web.Application()
         app.router.add_post("/v1/completions", self._openai)
+        app.router.add_post("/v1/chat/completions", self._openai)
         app.router.add_post("/generate_stream", self._native)
         app.router.add_get("/v1/models", self._models)
-        for path in ("/generate", "/v1/chat/completions", "/tokenize"):  # only malformed bodies reach these
+        for path in ("/generate", "/tokenize"):  # only malformed bodies reach these
             app.router.add_post(path, self._reject)
         app.router.add_get("/info", self._info)
         app.router.add_get("/metrics", self._metrics)
@@ -110,6 +112,11 @@ class FakeServer:
             assert isinstance(body, dict) and request.content_type == "application/json"
             if request.path == "/v1/completions":
                 assert isinstance(body["prompt"], str) and isinstance(body["max_tokens"], int)
+            elif request.path == "/v1/chat/completions":
+                assert isinstance(body["max_tokens"], int) and body["messages"]
+                for message in body["messages"]:
+                    assert message["role"] in ("system", "user", "assistant")
+                    assert isinstance(message["content"], str)
             else:
                 assert isinstance(body["inputs"], str) and isinstance(
                     body["parameters"]["max_new_tokens"], int
@@ -159,16 +166,30 @@ class FakeServer:
         if isinstance(response, web.Response):  # an error status, answered at once
             return response
         num_tokens = min(body["max_tokens"], self.behaviour.num_tokens or body["max_tokens"])
+        is_chat = request.path == "/v1/chat/completions"
+        prompt = " ".join(message["content"] for message in body["messages"]) if is_chat else body["prompt"]
+        if is_chat:
+            role = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+            await response.write(f"data: {json.dumps({'id': 'chat-1', 'choices': [role]})}\n\n".encode())
 
         def event(i: int) -> dict[str, Any]:
             finish = "length" if i == num_tokens - 1 else None
+            if is_chat:
+                delta = {
+                    "index": 0,
+                    "delta": {"content": f" t{i}"},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                return {"id": "chat-1", "object": "chat.completion.chunk", "model": body["model"],
+                        "choices": [delta]}  # fmt: skip
             choice = {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": finish}
             return {"id": "cmpl-1", "object": "text_completion", "model": body["model"], "choices": [choice]}
 
         def end() -> list[str]:
             lines = []
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": num_tokens}
+                usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": num_tokens}
                 lines.append(json.dumps({"id": "cmpl-1", "choices": [], "usage": usage}))
             return [*lines, "[DONE]"]
 

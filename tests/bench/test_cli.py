@@ -65,7 +65,7 @@ def test_run_prints_a_table_and_writes_json_and_plots(
     assert_pngs(tmp_path / "plots", ["ttft_cdf.png", "itl_cdf.png", "e2e_cdf.png"])
 
 
-@pytest.mark.parametrize("workload", ["bursts", "shared-prefix", "chat", "long-prompts"])
+@pytest.mark.parametrize("workload", ["bursts", "shared-prefix", "chat", "long-prompts", "repeat"])
 def test_every_workload_runs(
     fake_server: StartFake, workload: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

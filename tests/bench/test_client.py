@@ -31,7 +31,7 @@ def run(
     return asyncio.run(run_load(target, work, arrivals, is_progress_shown=False, **kwargs))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("api", ["openai", "native"])
+@pytest.mark.parametrize("api", ["openai", "chat", "native"])
 def test_known_delays_give_known_ttft_itl_and_e2e(fake_server: StartFake, api: str) -> None:
     server = fake_server(ttft_s=TTFT_S, itl_s=ITL_S)
     result = run(server, api, sessions(8, max_tokens=6))
@@ -45,7 +45,9 @@ def test_known_delays_give_known_ttft_itl_and_e2e(fake_server: StartFake, api: s
         assert all(abs(gap - ITL_S) <= SLACK_S for gap in record.itl_s)
         assert sum(record.itl_s) >= 5 * ITL_S - 0.002
         assert record.e2e_s >= record.ttft_s + sum(record.itl_s) - 1e-6
-    prompts: list[str] = [body.get("prompt") or body["inputs"] for body in server.bodies]
+    prompts: list[str] = [
+        body.get("prompt") or body.get("inputs") or body["messages"][0]["content"] for body in server.bodies
+    ]
     reported = sorted(record.server_prompt_tokens or 0 for record in result.records)
     assert reported == sorted(len(prompt.split()) for prompt in prompts)  # the fake counts words
     summary = summarize(result.records, result.duration_s, result.num_planned)
@@ -68,6 +70,21 @@ def test_openai_body_and_model_from_v1_models(fake_server: StartFake) -> None:
     assert body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 3
     assert "ignore_eos" not in body
+
+
+def test_chat_body_sends_the_prompt_as_one_user_message(fake_server: StartFake) -> None:
+    server = fake_server(ttft_s=0.0, itl_s=0.0)
+    result = run(server, "chat", sessions(2, max_tokens=3))
+    assert set(server.paths) == {"/v1/chat/completions"}
+    specs = [spec for session in sessions(2, max_tokens=3) for spec in session]
+    assert sorted(body["messages"][0]["content"] for body in server.bodies) == sorted(s.prompt for s in specs)
+    body = server.bodies[0]
+    assert len(body["messages"]) == 1 and body["messages"][0]["role"] == "user"
+    assert "prompt" not in body
+    assert body["model"] == "fake-model"
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    # the role-only first chunk is no token event: 3 tokens, 2 gaps
+    assert [(record.output_tokens, len(record.itl_s)) for record in result.records] == [(3, 2), (3, 2)]
 
 
 def test_several_models_are_sent_in_turn(fake_server: StartFake) -> None:

@@ -8,14 +8,17 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from bench.repeat_texts import CODE, PROSE
 from bench.runner import Arrivals, arrival_offsets
 from bench.workloads import (
     CHAT_TURNS,
     LONG_PROMPT_TOKENS,
+    REPEAT_OUTPUT_TOKENS,
     WORKLOADS,
     TextSource,
     WorkloadConfig,
     build_workload,
+    repeat_prompts,
 )
 
 
@@ -54,6 +57,26 @@ def test_shared_prefix_shares_about_600_tokens_then_differs() -> None:
     assert 570 <= len(prefix.split()) <= 620
     assert len({spec.prompt for spec in specs}) == 20
     assert all(spec.prompt_tokens - len(prefix.split()) <= 60 for spec in specs)
+
+
+def test_repeat_asks_to_copy_each_passage_with_each_of_its_changes() -> None:
+    prompts = repeat_prompts()
+    asked = []
+    for passage in CODE + PROSE:
+        for old, new in passage.changes:
+            assert old in passage.text and new not in passage.text, (old, new)
+            wanted = [
+                p
+                for p in prompts
+                if passage.text in p and (f"`{old}` to `{new}`" in p or f'"{old}" to "{new}"' in p)
+            ]
+            assert len(wanted) == 1, (old, new)
+            asked += wanted
+    assert sorted(asked) == sorted(prompts)
+    specs = flat("repeat", 60)
+    assert {spec.prompt for spec in specs} <= set(prompts)
+    assert len({spec.prompt for spec in specs}) > len(prompts) // 2
+    assert {spec.max_tokens for spec in specs} == {REPEAT_OUTPUT_TOKENS}
 
 
 def test_chat_turns_contain_the_previous_turns() -> None:
