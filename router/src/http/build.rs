@@ -76,10 +76,9 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
         max_batch_size: config.batch.max_batch_size,
         max_total_kv_tokens: config.batch.max_batch_total_tokens,
         swap_space_bytes: config.batch.swap_space_bytes,
-        max_speculative_tokens: config
-            .batch
-            .speculative
-            .map_or(0, |spec| spec.max_step_tokens.min(config.batch.max_batch_tokens as usize) as u32),
+        max_speculative_tokens: config.batch.speculative.map_or(0, |spec| {
+            spec.max_step_tokens.min(config.batch.max_batch_tokens as usize) as u32
+        }),
     };
     let warmup = shards.warmup(warmup_request).await.context("shard Warmup failed")?;
     let block_size = shard_info.block_size as usize;

@@ -204,7 +204,10 @@ impl FakeShard {
             }
             let num_speculative = chunk.num_speculative_tokens as usize;
             if num_speculative > 0 && (!chunk.sample || num_speculative >= chunk.token_ids.len()) {
-                return Err(invalid(format!("sequence {} has a bad num_speculative_tokens", chunk.id)));
+                return Err(invalid(format!(
+                    "sequence {} has a bad num_speculative_tokens",
+                    chunk.id
+                )));
             }
             if chunk.sample {
                 // One token per sampled position: the chunk's last, and each proposal's.
