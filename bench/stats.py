@@ -64,6 +64,7 @@ RATIO_FIGURES: tuple[tuple[str, str, str], ...] = (
     ("TTFT p99 (ms)", "ttft_ms", "p99"),
     ("ITL p50 (ms)", "itl_ms", "p50"),
     ("ITL p99 (ms)", "itl_ms", "p99"),
+    ("TPOT p50 (ms)", "tpot_ms", "p50"),
     ("e2e p50 (ms)", "e2e_ms", "p50"),
     ("e2e p99 (ms)", "e2e_ms", "p99"),
 )
