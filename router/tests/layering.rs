@@ -18,6 +18,7 @@ const LAYERS: &[&str] = &[
     "metrics",
     "kv",
     "lora",
+    "speculative",
     "grammar",
     "scheduler",
     "config",

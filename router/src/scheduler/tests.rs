@@ -186,14 +186,11 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 next_arrival += 1;
             }
             for s in running.iter_mut() {
-                // Speculative decoding: a decoding sequence may have proposals (never past its end).
+                // Speculative decoding: a decoding sequence may have proposals (the sampled token and the
+                // accepted proposals never take it past its end).
                 let is_decoding = s.view.num_tokens - s.view.num_computed_tokens == 1;
-                let num_left = s.num_final_tokens - s.view.num_tokens;
-                s.view.num_proposed_tokens = if is_decoding {
-                    rng.random_range(0..=num_left.min(4))
-                } else {
-                    0
-                };
+                let room = (s.num_final_tokens - s.view.num_tokens).saturating_sub(1).min(4);
+                s.view.num_proposed_tokens = if is_decoding { rng.random_range(0..=room) } else { 0 };
             }
             let running_views: Vec<_> = running.iter().map(|s| s.view).collect();
             let waiting_views: Vec<_> = waiting.iter().map(|s| s.view).collect();
