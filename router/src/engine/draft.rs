@@ -55,11 +55,11 @@ struct DraftSequence {
 
 /// A sequence to propose for: its tokens (the last one sampled, not computed yet) and how many tokens
 /// it may propose.
-pub struct DraftInput<'a> {
-    pub id: RequestId,
-    pub token_ids: &'a [u32],
-    pub num_prompt_tokens: usize,
-    pub num_proposed_tokens: usize,
+pub(super) struct DraftInput<'a> {
+    pub(super) id: RequestId,
+    pub(super) token_ids: &'a [u32],
+    pub(super) num_prompt_tokens: usize,
+    pub(super) num_proposed_tokens: usize,
 }
 
 impl DraftModel {
@@ -95,7 +95,7 @@ impl DraftModel {
 
     /// Forgets a sequence's draft state (it finished, was cancelled or preempted): its blocks go back and
     /// the draft shard drops its state with the next call.
-    pub fn release(&mut self, id: RequestId) {
+    pub(super) fn release(&mut self, id: RequestId) {
         if let Some(seq) = self.sequences.remove(&id) {
             self.free(&seq.blocks);
             self.released_ids.push(id.0);
@@ -104,7 +104,7 @@ impl DraftModel {
 
     /// Rolls a sequence's draft state back to the `num_computed_tokens` the target holds for it; the blocks
     /// past them go back.
-    pub fn roll_back(&mut self, id: RequestId, num_computed_tokens: usize) {
+    pub(super) fn roll_back(&mut self, id: RequestId, num_computed_tokens: usize) {
         let Some(seq) = self.sequences.get_mut(&id) else { return };
         seq.num_computed_tokens = seq.num_computed_tokens.min(num_computed_tokens);
         let num_kept = seq.num_computed_tokens.div_ceil(self.block_size);
@@ -122,7 +122,7 @@ impl DraftModel {
 
     /// The draft tokens of each input, in order (empty for those that get none this step: no room in the
     /// draft pool or the call, a long catch-up still under way, or a failed draft shard).
-    pub async fn propose(&mut self, inputs: &[DraftInput<'_>]) -> Vec<Vec<u32>> {
+    pub(super) async fn propose(&mut self, inputs: &[DraftInput<'_>]) -> Vec<Vec<u32>> {
         let mut proposals = vec![Vec::new(); inputs.len()];
         if self.resting_until.is_some_and(|until| Instant::now() < until) {
             return proposals;
@@ -280,5 +280,67 @@ impl EngineCore {
         self.metrics
             .spec_decode_proposal_seconds
             .inc_by(started.elapsed().as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::fake::FakeShard;
+
+    fn input(token_ids: &[u32], num_proposed_tokens: usize) -> DraftInput<'_> {
+        DraftInput {
+            id: RequestId(7),
+            token_ids,
+            num_prompt_tokens: 3,
+            num_proposed_tokens,
+        }
+    }
+
+    #[tokio::test]
+    async fn drafts_one_call_per_token_and_rolls_back_to_what_the_target_kept() {
+        // The fake predicts t + 1 after t, and checks every block table holds what it computed.
+        let shard = FakeShard::new(9, 4);
+        let mut draft = DraftModel::new(Arc::new(shard.clone()), 9, 4, 16, 4);
+        assert_eq!(draft.propose(&[input(&[1, 2, 3, 4, 5], 3)]).await, [vec![6, 7, 8]]);
+        assert_eq!(
+            shard.num_forwards(),
+            3,
+            "the catch-up drafts the first token, then one call each"
+        );
+        assert_eq!(
+            draft.num_free_blocks(),
+            8 - 2,
+            "K/V of the 5 tokens and 2 draft tokens fed back"
+        );
+        // The target kept 6 and 7, then sampled 9: the draft K/V of 1..=7 stay, and only 9 is fed.
+        draft.roll_back(RequestId(7), 7);
+        assert_eq!(
+            draft.propose(&[input(&[1, 2, 3, 4, 5, 6, 7, 9], 2)]).await,
+            [vec![10, 11]]
+        );
+        assert_eq!(shard.num_forwards(), 5);
+        assert_eq!(draft.num_free_blocks(), 8 - 3);
+        draft.roll_back(RequestId(7), 3);
+        assert_eq!(draft.num_free_blocks(), 8 - 1, "blocks past the kept tokens go back");
+        draft.release(RequestId(7));
+        assert_eq!(draft.num_free_blocks(), 8);
+        assert_eq!(shard.num_known(), 1, "the shard drops the sequence with the next call");
+        assert_eq!(draft.propose(&[]).await, Vec::<Vec<u32>>::new());
+    }
+
+    #[tokio::test]
+    async fn a_full_draft_pool_or_call_leaves_a_sequence_without_a_proposal() {
+        let shard = FakeShard::new(3, 4);
+        let mut draft = DraftModel::new(Arc::new(shard.clone()), 3, 4, 6, 4);
+        let tokens = [1, 2, 3, 4, 5, 6, 7];
+        // A call computes 6 tokens at most: the catch-up takes two.
+        assert_eq!(draft.propose(&[input(&tokens, 4)]).await, [Vec::<u32>::new()]);
+        assert_eq!((shard.num_forwards(), draft.num_free_blocks()), (1, 0));
+        // 2 usable blocks: the 7 tokens and 3 draft tokens fed back do not fit; what is computed stays.
+        assert_eq!(draft.propose(&[input(&tokens, 4)]).await, [Vec::<u32>::new()]);
+        assert_eq!((shard.num_forwards(), draft.num_free_blocks()), (1, 0));
+        assert_eq!(draft.propose(&[input(&tokens, 1)]).await, [vec![8]]);
+        assert_eq!(shard.num_forwards(), 2);
     }
 }
