@@ -306,6 +306,7 @@ def test_a_draft_model_changes_no_token(
             kv = server.wait_idle()["kv"]
         finally:
             stop_server(server)
+        assert server.process.returncode == 0, server.log_path.read_text()[-3000:]
         for (prompt, params), want, result in zip(batch, expected[: len(batch)], results, strict=True):
             assert token_ids(result) == token_ids(want), (draft.name, prompt, params)
             assert result["generated_text"] == want["generated_text"]
