@@ -55,12 +55,7 @@ impl EngineCore {
             self.metrics.spec_decode_draft_tokens.inc_by(proposal.len() as u64);
             self.metrics.spec_decode_accepted_tokens.inc_by(num_accepted as u64);
         }
-        let Some(seq) = self
-            .queues
-            .running
-            .get_mut(i)
-            .filter(|seq| seq.id.0 == generations[0].id)
-        else {
+        let Some(seq) = self.queues.running.get_mut(i).filter(|seq| seq.id.0 == generations[0].id) else {
             return; // it finished
         };
         if let Some(config) = self.speculative {

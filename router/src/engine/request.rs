@@ -259,11 +259,7 @@ impl Sequence {
         let start = self.num_computed_tokens;
         let end = start + num_tokens;
         self.proposal.truncate(num_speculative_tokens);
-        debug_assert_eq!(
-            self.proposal.len(),
-            num_speculative_tokens,
-            "the plan verifies what was proposed"
-        );
+        debug_assert_eq!(self.proposal.len(), num_speculative_tokens, "the plan verifies what was proposed");
         let is_first_call = !self.is_known_to_shards;
         let params = is_first_call.then(|| self.sampling_params(eos_token_ids));
         // A penalty needs the whole history; tokens whose K/V were reused never reached the shard.

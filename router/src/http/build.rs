@@ -82,9 +82,10 @@ pub async fn build(
         max_batch_size: config.batch.max_batch_size,
         max_total_kv_tokens: config.batch.max_batch_total_tokens,
         swap_space_bytes: config.batch.swap_space_bytes,
-        max_speculative_tokens: config.batch.speculative.map_or(0, |spec| {
-            spec.max_step_tokens.min(config.batch.max_batch_tokens as usize) as u32
-        }),
+        max_speculative_tokens: config
+            .batch
+            .speculative
+            .map_or(0, |spec| spec.max_step_tokens.min(config.batch.max_batch_tokens as usize) as u32),
     };
     let warmup = shards.warmup(warmup_request).await.context("shard Warmup failed")?;
     let draft = match draft_shard {

@@ -62,20 +62,12 @@ async fn speculation_changes_no_token_and_accepts_what_repeats() {
         assert_eq!(result["generated_text"], expected["generated_text"], "{prompt}");
         assert_eq!(token_ids(&result), token_ids(&expected));
         assert_eq!(result["details"]["finish_reason"], expected["details"]["finish_reason"]);
-        let counted: Vec<u64> = (1..=max_new_tokens)
-            .map(|k| u64::from((start + k) % FAKE_VOCAB_SIZE))
-            .collect();
+        let counted: Vec<u64> = (1..=max_new_tokens).map(|k| u64::from((start + k) % FAKE_VOCAB_SIZE)).collect();
         assert_eq!(token_ids(&result), counted);
     }
     let (drafts, draft_tokens, accepted_tokens) = accepted(&spec);
-    assert!(
-        drafts > 0 && accepted_tokens > 0,
-        "{drafts} drafts, {accepted_tokens} accepted"
-    );
-    assert!(
-        accepted_tokens < draft_tokens,
-        "the jump in each prompt makes a proposal wrong"
-    );
+    assert!(drafts > 0 && accepted_tokens > 0, "{drafts} drafts, {accepted_tokens} accepted");
+    assert!(accepted_tokens < draft_tokens, "the jump in each prompt makes a proposal wrong");
     assert_eq!(accepted(&plain), (0, 0, 0));
     // Every block is back: rejected proposals' blocks went back the step they were rejected.
     assert_eq!(idle_free_blocks(&spec).await, 63);

@@ -189,11 +189,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 // Speculative decoding: a decoding sequence may have proposals (never past its end).
                 let is_decoding = s.view.num_tokens - s.view.num_computed_tokens == 1;
                 let num_left = s.num_final_tokens - s.view.num_tokens;
-                s.view.num_proposed_tokens = if is_decoding {
-                    rng.random_range(0..=num_left.min(4))
-                } else {
-                    0
-                };
+                s.view.num_proposed_tokens = if is_decoding { rng.random_range(0..=num_left.min(4)) } else { 0 };
             }
             let running_views: Vec<_> = running.iter().map(|s| s.view).collect();
             let waiting_views: Vec<_> = waiting.iter().map(|s| s.view).collect();
@@ -275,9 +271,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                 s.view.num_blocks = s.blocks.len();
                 s.view.num_freeable_blocks = s.blocks.len();
                 assert!(step.num_speculative_tokens <= s.view.num_proposed_tokens);
-                assert!(
-                    step.num_speculative_tokens == 0 || step.num_scheduled_tokens == step.num_speculative_tokens + 1
-                );
+                assert!(step.num_speculative_tokens == 0 || step.num_scheduled_tokens == step.num_speculative_tokens + 1);
                 assert!(
                     s.view.num_computed_tokens + step.num_scheduled_tokens <= s.blocks.len() * cfg.block_size,
                     "the proposals have their blocks"
@@ -292,9 +286,7 @@ fn random_workloads_finish_within_budgets_and_keep_blocks_whole() {
                     s.view.num_tokens += num_accepted + 1;
                     // The blocks of rejected proposals go back, as the engine does.
                     let num_kept = s.view.num_computed_tokens.div_ceil(cfg.block_size);
-                    allocator
-                        .free(&s.blocks.split_off(num_kept))
-                        .expect("rejected blocks are owned");
+                    allocator.free(&s.blocks.split_off(num_kept)).expect("rejected blocks are owned");
                     s.view.num_blocks = s.blocks.len();
                     s.view.num_freeable_blocks = s.blocks.len();
                 }
@@ -607,10 +599,7 @@ fn proposals_never_preempt_nor_exceed_the_token_budget() {
     assert_eq!(plan.scheduled[0].num_speculative_tokens, 0);
     // Off: no proposal is ever scheduled.
     let running = [with_proposals(seq(1, 9, 8, 3), 4)];
-    assert_eq!(
-        schedule(&config(64, 8), &running, &[], &[], 100).scheduled[0].num_speculative_tokens,
-        0
-    );
+    assert_eq!(schedule(&config(64, 8), &running, &[], &[], 100).scheduled[0].num_speculative_tokens, 0);
 }
 
 fn config_with_spec(speculative_max_step_tokens: usize) -> SchedulerConfig {
