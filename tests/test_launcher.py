@@ -193,6 +193,45 @@ def test_shard_command(model_dir: Path) -> None:
     )
 
 
+def test_a_draft_model_gets_one_shard_of_its_own(model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "draft").mkdir()
+    config = parse(
+        model_dir, "--draft-model-id", str(tmp_path / "draft"), "--num-shard", "2", "--max-loras", "2",
+        "--num-threads", "3", "--speculative", "draft",
+    )  # fmt: skip
+    socket_dir = Path("/run/x")
+    draft_socket = launcher.draft_socket_path(config, socket_dir)
+    assert draft_socket is not None and draft_socket not in launcher.shard_socket_paths(config, socket_dir)
+    assert launcher.draft_shard_command(config, draft_socket) == [
+        sys.executable, "-m", "rill.shard.server",
+        "--model-id", str(tmp_path / "draft"),
+        "--socket", str(draft_socket),
+        "--device", "cpu",
+        "--dtype", "float32",
+        "--rank", "0",
+        "--world-size", "1",
+        "--attention-backend", "auto",
+        "--num-threads", "3",
+    ]  # fmt: skip
+    command = launcher.router_command(config, [Path("/run/x/shard-0.sock")], draft_socket)
+    assert command[3:7] == [
+        "--shard-socket", "/run/x/shard-0.sock", "--draft-shard-socket", str(draft_socket)
+    ]  # fmt: skip
+    assert command[-2:] == ["--speculative", "draft"]
+    assert launcher.draft_socket_path(parse(model_dir), socket_dir) is None
+
+
+def test_the_draft_model_must_be_a_folder(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse(model_dir, "--draft-model-id", str(tmp_path / "nope"))
+    assert "--draft-model-id" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(model_dir, "--draft-shard-socket", "/tmp/x")
+    assert "--draft-shard-socket is set by the launcher" in capsys.readouterr().err
+
+
 def test_shard_environment_sets_the_spin_count_unless_the_environment_chooses() -> None:
     env = launcher.shard_environment({"PATH": "/bin"})
     assert env == {"PATH": "/bin", "GOMP_SPINCOUNT": str(launcher.SHARD_SPIN_COUNT)}
@@ -243,6 +282,7 @@ def test_router_resolves_flag_then_env_then_default(model_dir: Path) -> None:
         (["--max-input-tokens", "4096"], {}, "--max-input-tokens (4096) must be below --max-total-tokens"),
         (["--preemption-mode", "never"], {}, "invalid value 'never' for '--preemption-mode"),
         ([], {"RILL_NO_PREFIX_CACHING": "maybe"}, "invalid value 'maybe' for '--no-prefix-caching"),
+        (["--speculative", "draft"], {}, "--speculative draft needs the draft model's shard"),
     ],
 )
 def test_the_router_rejects_bad_flags(

@@ -10,8 +10,10 @@ starts, the router checks the whole command (`--check-args`) and says where it w
 Sequence: parse flags once into a `LaunchConfig`; check the router's flags; start one
 `python -m rill.shard.server` per rank on a unix socket in a private temp folder (with --num-shard N > 1
 the N ranks form one torch.distributed group through a rendezvous file in that folder, rank r on cuda:r);
-wait until each answers the gRPC Health call; start `rill-router` (which calls Info and Warmup on the
-shards, then serves HTTP); wait until GET /health answers 200.
+with --draft-model-id, one more shard, `draft-shard` (world size 1), serves the draft model of the router's
+`--speculative draft` on a socket of its own); wait until each answers the gRPC Health call; start
+`rill-router` (which calls Info and Warmup on the shards, then serves HTTP); wait until GET /health answers
+200.
 Then supervise: if any child exits, stop the others (SIGTERM, SIGKILL after a grace period) and exit
 non-zero naming it; SIGINT/SIGTERM to the launcher stop everything and exit 0.
 No orphans: on Linux every child gets a parent-death signal (SIGKILL for a shard, SIGTERM for the router),
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import functools
 import json
 import logging
@@ -68,6 +71,7 @@ class LaunchConfig:
     `rill-router` itself; the launcher acts on none of them."""
 
     model_id: Path
+    draft_model_id: Path | None  # the draft model for --speculative draft; None: no draft shard
     num_shard: int
     device: str
     dtype: str
@@ -90,7 +94,7 @@ SWITCH_VALUES = {
     **dict.fromkeys(("0", "n", "no", "f", "false", "off"), False),
 }
 # Router flags the launcher sets itself (--model-id and --otlp-endpoint are also launcher flags).
-LAUNCHER_SET_ROUTER_FLAGS = ("--shard-socket",)
+LAUNCHER_SET_ROUTER_FLAGS = ("--shard-socket", "--draft-shard-socket")
 
 
 def parse_switch(value: str) -> bool:
@@ -146,6 +150,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         None,
         "Hugging Face-layout model folder, or a .gguf file (converted once into the cache); "
         "auto = built-in SmolLM2-135M-Instruct",
+    )
+    flag(
+        "draft-model-id",
+        Path,
+        None,
+        "the draft model of the router's --speculative draft (a smaller model with the same tokenizer; a "
+        "folder or a .gguf file), served by one more shard process (world size 1) with the same --device, "
+        "--dtype, --kv-block-size and --num-threads",
+        "off",
     )
     flag("num-shard", int, "1", "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
     flag("device", str, None, "cpu or cuda; auto = cuda when torch sees a GPU, else cpu")
@@ -222,14 +235,17 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     try:
         router_bin = args.router_bin or find_router_bin(environ)
         model_id = _gguf_model(args.model_id) if args.model_id else _default_model()
+        draft_model_id = _gguf_model(args.draft_model_id) if args.draft_model_id else None
     except RuntimeError as error:
         parser.error(str(error))
-    if not model_id.is_dir():
-        parser.error(
-            f"--model-id {model_id} is not a folder (expected a Hugging Face-layout folder or a .gguf file)"
-        )
+    for name, path in (("--model-id", model_id), ("--draft-model-id", draft_model_id)):
+        if path is not None and not path.is_dir():
+            parser.error(
+                f"{name} {path} is not a folder (expected a Hugging Face-layout folder or a .gguf file)"
+            )
     return LaunchConfig(
         model_id=model_id,
+        draft_model_id=draft_model_id,
         num_shard=args.num_shard,
         device=device,
         dtype=dtype,
@@ -336,6 +352,23 @@ def shard_command(
     return command
 
 
+def shard_socket_paths(config: LaunchConfig, socket_dir: Path) -> list[Path]:
+    return [socket_dir / f"shard-{rank}.sock" for rank in range(config.num_shard)]
+
+
+def draft_socket_path(config: LaunchConfig, socket_dir: Path) -> Path | None:
+    """The draft model's shard socket, with --draft-model-id."""
+    return socket_dir / "draft-shard.sock" if config.draft_model_id is not None else None
+
+
+def draft_shard_command(config: LaunchConfig, socket_path: Path) -> list[str]:
+    """The draft model's shard: one rank of its own, with the target's device, dtype, block size and threads
+    (no LoRA slots: adapters belong to the target)."""
+    assert config.draft_model_id is not None
+    draft = dataclasses.replace(config, model_id=config.draft_model_id, num_shard=1, max_loras=0)
+    return shard_command(draft, socket_path, 0)
+
+
 @dataclass(frozen=True)
 class RouterLaunch:
     """How to start the router, and what its dry run (`--check-args`) said about its resolved flags."""
@@ -350,10 +383,14 @@ class RouterFlagsError(RuntimeError):
     """rill-router refused the flags; the message is its own."""
 
 
-def router_command(config: LaunchConfig, socket_paths: Sequence[Path]) -> list[str]:
+def router_command(
+    config: LaunchConfig, socket_paths: Sequence[Path], draft_socket: Path | None = None
+) -> list[str]:
     command = [str(config.router_bin), "--model-id", str(config.model_id)]
     for socket_path in socket_paths:
         command += ["--shard-socket", str(socket_path)]
+    if draft_socket is not None:
+        command += ["--draft-shard-socket", str(draft_socket)]
     if config.otlp_endpoint:
         command += ["--otlp-endpoint", config.otlp_endpoint]
     return command + list(config.router_args)
@@ -367,12 +404,15 @@ def router_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, st
 
 
 def check_router(
-    config: LaunchConfig, socket_paths: Sequence[Path], environ: Mapping[str, str]
+    config: LaunchConfig,
+    socket_paths: Sequence[Path],
+    environ: Mapping[str, str],
+    draft_socket: Path | None = None,
 ) -> RouterLaunch:
     """Runs the router's command with `--check-args` (it parses and checks every flag and RILL_* variable,
     then exits) before any shard starts, so a typo fails at once with the router's own message; learns the
     address and drain time the router resolved. Raises `RouterFlagsError`."""
-    command, env = router_command(config, socket_paths), router_env(config, environ)
+    command, env = router_command(config, socket_paths, draft_socket), router_env(config, environ)
     try:
         result = subprocess.run(
             [*command, "--check-args"], capture_output=True, text=True, env=env, timeout=60
@@ -558,8 +598,10 @@ def shard_environment(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def serve(config: LaunchConfig, socket_dir: Path, router: RouterLaunch, supervisor: Supervisor) -> None:
-    """Starts every component and supervises them until one exits or a signal arrives."""
-    socket_paths = [socket_dir / f"shard-{rank}.sock" for rank in range(config.num_shard)]
+    """Starts every component and supervises them until one exits or a signal arrives. The draft shard is
+    not restarted with --restart-shards: its exit stops Rill like the router's."""
+    socket_paths = shard_socket_paths(config, socket_dir)
+    draft_socket = draft_socket_path(config, socket_dir)
     shard_env = shard_environment(os.environ)
     # The ranks rendezvous through a file in the private folder: no port to pick, nothing to race for.
     dist_init_method = f"file://{socket_dir}/dist-init" if config.num_shard > 1 else None
@@ -574,27 +616,37 @@ def serve(config: LaunchConfig, socket_dir: Path, router: RouterLaunch, supervis
             supervisor.wait_until(is_ready, f"shard-{rank}", SHARD_START_TIMEOUT_S)
             logger.info("shard-%d is healthy", rank)
 
+    watched = {f"shard-{rank}": socket_path for rank, socket_path in enumerate(socket_paths)}
+    if draft_socket is not None:
+        # Loads while the target's shards do.
+        supervisor.start("draft-shard", draft_shard_command(config, draft_socket), shard_env)
     start_shards()
+    if draft_socket is not None:
+        supervisor.wait_until(
+            functools.partial(shard_is_healthy, draft_socket), "draft-shard", SHARD_START_TIMEOUT_S
+        )
+        logger.info("draft-shard is healthy")
+        watched["draft-shard"] = draft_socket
 
     # SIGTERM: an orphaned router fails its requests with an error (its shards die too) and exits.
     supervisor.start("router", router.command, router.env, signal.SIGTERM)
     is_ready = functools.partial(router_is_healthy, router.base_url)
     supervisor.wait_until(is_ready, "router", ROUTER_START_TIMEOUT_S)
     logger.info("Rill is serving %s at %s", config.model_id, router.base_url)
-    missed_health_checks = [0] * config.num_shard
+    missed_health_checks = dict.fromkeys(watched, 0)
 
     def kill_hung_shards() -> None:
-        for rank, socket_path in enumerate(socket_paths):
+        for name, socket_path in watched.items():
             is_healthy = shard_is_healthy(socket_path)
-            missed_health_checks[rank] = 0 if is_healthy else missed_health_checks[rank] + 1
-            if missed_health_checks[rank] >= SHARD_MISSED_HEALTH_LIMIT:
+            missed_health_checks[name] = 0 if is_healthy else missed_health_checks[name] + 1
+            if missed_health_checks[name] >= SHARD_MISSED_HEALTH_LIMIT:
                 logger.error(
-                    "shard-%d missed %d health checks in a row: hung; killing it",
-                    rank,
+                    "%s missed %d health checks in a row: hung; killing it",
+                    name,
                     SHARD_MISSED_HEALTH_LIMIT,
                 )
-                supervisor.kill(f"shard-{rank}")
-                missed_health_checks[rank] = 0
+                supervisor.kill(name)
+                missed_health_checks[name] = 0
 
     while True:
         try:
@@ -624,9 +676,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     with tempfile.TemporaryDirectory(prefix="rill-") as socket_dir:  # mode 0700: private sockets
-        socket_paths = [Path(socket_dir) / f"shard-{rank}.sock" for rank in range(config.num_shard)]
+        socket_paths = shard_socket_paths(config, Path(socket_dir))
+        draft_socket = draft_socket_path(config, Path(socket_dir))
         try:
-            router = check_router(config, socket_paths, os.environ)
+            router = check_router(config, socket_paths, os.environ, draft_socket)
         except RouterFlagsError as error:
             print(
                 f"{error}\n\n(rill-router refused these flags; python -m rill --help lists them)",

@@ -83,9 +83,11 @@ pub struct Args {
     #[arg(long, env = "RILL_TARGET_ITL_MS")]
     pub target_itl_ms: Option<f64>,
     /// Speculative decoding: `ngram` proposes, for each decoding sequence, the tokens that followed the
-    /// latest earlier occurrence of its last few tokens (prompt lookup), and the shards verify them in the
-    /// step's forward pass. The output is the same token for token (greedy or seeded); it comes sooner when
-    /// the text repeats its context. Off for requests under a grammar. Unset = off.
+    /// latest earlier occurrence of its last few tokens (prompt lookup); `draft` has a smaller draft model
+    /// with the same tokenizer (served by the shard of --draft-shard-socket) decode them greedily ahead.
+    /// The shards verify them in the step's forward pass. The output is the same token for token (greedy
+    /// or seeded); it comes sooner when the proposals are right. Off for requests under a grammar.
+    /// Unset = off.
     #[arg(long, env = "RILL_SPECULATIVE", value_enum)]
     pub speculative: Option<SpeculativeMethod>,
     /// With --speculative: the most tokens proposed for one sequence in one step (fewer after rejections).
@@ -97,6 +99,10 @@ pub struct Args {
     /// With --speculative ngram: the longest suffix looked up (the longest that recurs wins).
     #[arg(long, env = "RILL_SPECULATIVE_NGRAM_MAX", default_value_t = 3)]
     pub speculative_ngram_max: usize,
+    /// With --speculative draft: the unix socket of the draft model's shard (one rank; the launcher starts
+    /// it for --draft-model-id and sets this).
+    #[arg(long, env = "RILL_DRAFT_SHARD_SOCKET")]
+    pub draft_shard_socket: Option<PathBuf>,
     /// With --speculative: proposals join a step only while its decodes and proposals stay within this
     /// many tokens (beyond it a step is compute-bound, and a rejected proposal costs like a token).
     #[arg(long, env = "RILL_SPECULATIVE_MAX_STEP_TOKENS", default_value_t = 16)]
@@ -268,6 +274,7 @@ impl From<KvAdmissionArg> for KvAdmission {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum SpeculativeMethod {
     Ngram,
+    Draft,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -380,6 +387,8 @@ pub struct Config {
     pub served_model_name: String,
     pub addr: SocketAddr,
     pub shard_sockets: Vec<PathBuf>,
+    /// `--draft-shard-socket`: the draft model's shard, with `--speculative draft` (and only then).
+    pub draft_shard_socket: Option<PathBuf>,
     pub shard_connect_timeout_s: u64,
     pub shutdown_timeout: Duration,
     pub connections: ConnectionConfig,
@@ -475,6 +484,17 @@ impl Config {
                 args.speculative_ngram_max
             );
         }
+        let is_draft = args.speculative == Some(SpeculativeMethod::Draft);
+        anyhow::ensure!(
+            is_draft == args.draft_shard_socket.is_some(),
+            "{}",
+            if is_draft {
+                "--speculative draft needs the draft model's shard: --draft-shard-socket PATH (the launcher \
+                 starts one for --draft-model-id)"
+            } else {
+                "--draft-shard-socket (the launcher sets it for --draft-model-id) needs --speculative draft"
+            }
+        );
         let served_model_name = args.served_model_name.unwrap_or_else(|| {
             let name = args.model_id.file_name().unwrap_or(args.model_id.as_os_str());
             name.to_string_lossy().into_owned()
@@ -494,6 +514,7 @@ impl Config {
             model_id: args.model_id,
             addr,
             shard_sockets: args.shard_sockets,
+            draft_shard_socket: args.draft_shard_socket,
             shard_connect_timeout_s: args.shard_connect_timeout,
             shutdown_timeout: Duration::from_secs(args.shutdown_timeout),
             connections: ConnectionConfig {
@@ -546,7 +567,7 @@ impl Config {
                     args.swap_space.map(|gib| (gib * f64::from(1u32 << 30)) as u64)
                 },
                 kv_admission: args.kv_admission.into(),
-                speculative: args.speculative.map(|SpeculativeMethod::Ngram| SpeculativeConfig {
+                speculative: args.speculative.map(|_| SpeculativeConfig {
                     max_proposed_tokens: args.num_speculative_tokens,
                     ngram_min: args.speculative_ngram_min,
                     ngram_max: args.speculative_ngram_max,
@@ -637,6 +658,27 @@ mod tests {
         assert!(parse(&["--lora-adapters", "base=/x"])
             .unwrap_err()
             .contains("base model"));
+    }
+
+    #[test]
+    fn a_draft_shard_goes_with_draft_speculation_only() {
+        let parse = |flags: &[&str]| {
+            let base = ["rill-router", "--model-id", "m", "--shard-socket", "s"];
+            Config::from_args(Args::try_parse_from(base.iter().chain(flags)).unwrap()).map_err(|e| e.to_string())
+        };
+        let config = parse(&["--speculative", "draft", "--draft-shard-socket", "d"]).unwrap();
+        assert_eq!(config.draft_shard_socket, Some(PathBuf::from("d")));
+        assert!(config.batch.speculative.is_some());
+        assert!(parse(&["--speculative", "draft"])
+            .unwrap_err()
+            .contains("--draft-shard-socket PATH"));
+        assert!(parse(&["--draft-shard-socket", "d"])
+            .unwrap_err()
+            .contains("needs --speculative draft"));
+        assert!(parse(&["--speculative", "ngram", "--draft-shard-socket", "d"])
+            .unwrap_err()
+            .contains("needs --speculative draft"));
+        assert_eq!(parse(&["--speculative", "ngram"]).unwrap().draft_shard_socket, None);
     }
 
     #[test]

@@ -41,12 +41,26 @@ async fn main() -> anyhow::Result<()> {
     .await?
     .with_forward_deadline(config.forward_timeout);
     tracing::info!(ranks = shards.num_ranks(), "connected to the shards");
+    let draft_shard = match &config.draft_shard_socket {
+        Some(socket) => {
+            let draft = GrpcShards::connect(
+                std::slice::from_ref(socket),
+                Duration::from_secs(config.shard_connect_timeout_s),
+            )
+            .await
+            .context("the draft model's shard (--draft-shard-socket)")?
+            .with_forward_deadline(config.forward_timeout);
+            tracing::info!("connected to the draft model's shard");
+            Some(Arc::new(draft) as Arc<dyn rill_router::shard::ShardClient>)
+        }
+        None => None,
+    };
     let model = http::ModelFiles {
         tokenizer: Arc::new(tokenizer),
         tokenizer_path: Some(tokenizer_path),
         chat_template: chat_template::ChatTemplate::load(&config.model_id)?.map(Arc::new),
     };
-    let http::Server { app, state, engine } = http::build(&config, Arc::new(shards), model).await?;
+    let http::Server { app, state, engine } = http::build(&config, Arc::new(shards), draft_shard, model).await?;
     let listener = tokio::net::TcpListener::bind(config.addr)
         .await
         .with_context(|| format!("cannot listen on {}", config.addr))?;

@@ -8,6 +8,8 @@ proposals were made and accepted, so none of this passes by speculating nothing.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -233,3 +235,87 @@ def test_speculating_sequences_survive_preemption(
     assert accepted > 0
     assert kv["used_blocks"] == 0 and kv["free_blocks"] + kv["cached_blocks"] == kv["total_blocks"], kv
     assert metric(metrics, "rill_swap_blocks_free") == metric(metrics, "rill_swap_blocks_total")
+
+
+# Draft-model speculation (`--speculative draft`): tiny random Llamas with the default model's tokenizer
+# (no small real pair with one tokenizer ships on PyPI). A target used as its own draft proposes exactly
+# what the target samples greedily (the float32 forward is batch-invariant), so every proposal is accepted:
+# that proves the plumbing (catch-up, one call per draft token). The target cut to one layer agrees with it
+# only sometimes: its rejections and rollbacks must change no token either, greedy or seeded.
+DRAFT_PROMPTS = [*PROMPTS, "Count: 1, 2, 3, 4,", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def small_draft(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny target cut to its first layer (same embeddings, head and tokenizer): a smaller draft that
+    agrees with the target on some tokens and not on others."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("small-draft")
+    config = json.loads((tiny_model / "config.json").read_text())
+    num_layers = config["num_hidden_layers"]
+    assert num_layers > 1
+    config["num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(tiny_model / "model.safetensors")
+    kept = {
+        name: tensor
+        for name, tensor in weights.items()
+        if not any(f".layers.{layer}." in name for layer in range(1, num_layers))
+    }
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, path / name)
+    return path
+
+
+def serve_concurrently(server: Server, batch: list[tuple[str, dict]]) -> list[dict]:
+    with ThreadPoolExecutor(len(batch)) as pool:
+        return list(pool.map(lambda request: generate(server, request[0], **request[1]), batch))
+
+
+def test_a_draft_model_changes_no_token(
+    tiny_model: Path, small_draft: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    greedy = [(prompt, {"max_new_tokens": 12 + 5 * i}) for i, prompt in enumerate(DRAFT_PROMPTS)]
+    seeded = [
+        (prompt, {"max_new_tokens": 20, "do_sample": True, "temperature": 0.8, "top_p": 0.9, "seed": 5 + i})
+        for i, prompt in enumerate(DRAFT_PROMPTS[:3])
+    ]
+    pool = ("--max-batch-tokens", "256", "--max-batch-total-tokens", "8000", "--max-batch-size", "16")
+    plain = start_server(tiny_model, tmp_path_factory.mktemp("draft-plain"), *pool)
+    try:
+        expected = [generate(plain, prompt, **params) for prompt, params in greedy + seeded]
+    finally:
+        stop_server(plain)
+    for draft, batch in ((tiny_model, greedy), (small_draft, greedy + seeded)):
+        server = start_server(
+            tiny_model,
+            tmp_path_factory.mktemp("draft"),
+            *pool,
+            "--speculative",
+            "draft",
+            "--draft-model-id",
+            str(draft),
+            "--num-speculative-tokens",
+            "4",
+        )
+        try:
+            results = serve_concurrently(server, batch)
+            spec = counters(server)
+            kv = server.wait_idle()["kv"]
+        finally:
+            stop_server(server)
+        assert server.process.returncode == 0, server.log_path.read_text()[-3000:]
+        for (prompt, params), want, result in zip(batch, expected[: len(batch)], results, strict=True):
+            assert token_ids(result) == token_ids(want), (draft.name, prompt, params)
+            assert result["generated_text"] == want["generated_text"]
+            assert result["details"]["finish_reason"] == want["details"]["finish_reason"]
+        print(f"{draft.name}: accepted {spec['accepted_tokens']:.0f} of {spec['draft_tokens']:.0f} proposed")
+        assert spec["drafts"] > 0
+        if draft == tiny_model:
+            assert all(result["details"]["finish_reason"] == "length" for result in results)
+            assert spec["accepted_tokens"] == spec["draft_tokens"], "a model agrees with itself"
+        else:
+            assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], "a cut draft agrees only sometimes"
+        assert kv["used_blocks"] == 0 and kv["free_blocks"] + kv["cached_blocks"] == kv["total_blocks"], kv

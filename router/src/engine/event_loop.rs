@@ -14,7 +14,8 @@ use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
 use super::{
-    outbox::Outbox, plan::PrefixHits, queues::Queues, request::Sequence, EngineError, EngineStats, NewRequest,
+    draft::DraftModel, outbox::Outbox, plan::PrefixHits, queues::Queues, request::Sequence, EngineError, EngineStats,
+    NewRequest,
 };
 use crate::{
     kv::{KvPool, SwapPool},
@@ -57,6 +58,8 @@ pub struct EngineCore {
     pub(super) prefix_caching: bool,
     pub(super) max_pinned_kv_fraction: f64,
     pub(super) speculative: Option<SpeculativeConfig>,
+    /// With `--speculative draft`: the draft model that proposes (else proposals are n-gram lookups).
+    pub(super) draft: Option<DraftModel>,
     pub(super) kv: KvPool,
     pub(super) queues: Queues,
     pub(super) swap: SwapPool,
@@ -92,6 +95,7 @@ impl EngineCore {
             prefix_caching: config.prefix_caching,
             max_pinned_kv_fraction: config.max_pinned_kv_fraction,
             speculative: config.speculative,
+            draft: None,
             kv,
             queues: Queues::default(),
             swap: SwapPool::new(config.preemption.num_host_blocks),
@@ -109,6 +113,13 @@ impl EngineCore {
     /// Serves the LoRA adapters of `adapters` (the same registry the HTTP handlers resolve names in).
     pub fn with_adapters(mut self, adapters: Adapters) -> Self {
         self.adapters = adapters;
+        self.publish_stats();
+        self
+    }
+
+    /// Proposes with `draft` (`--speculative draft`) rather than by n-gram lookup.
+    pub fn with_draft(mut self, draft: DraftModel) -> Self {
+        self.draft = Some(draft);
         self.publish_stats();
         self
     }
@@ -163,6 +174,7 @@ impl EngineCore {
     }
 
     async fn step(&mut self) {
+        self.propose_by_draft().await;
         let now = Instant::now();
         let (plan, prefix_hits) = self.plan(now);
         if plan.scheduled.is_empty() {
@@ -279,6 +291,8 @@ impl EngineCore {
         stats.num_swapped = self.queues.swapped.len();
         stats.num_usable_host_blocks = self.swap.num_usable_blocks();
         stats.num_free_host_blocks = self.swap.num_free_blocks();
+        stats.num_usable_draft_blocks = self.draft.as_ref().map_or(0, DraftModel::num_usable_blocks);
+        stats.num_free_draft_blocks = self.draft.as_ref().map_or(0, DraftModel::num_free_blocks);
         self.stats_tx.send_replace(*stats);
         let metrics = &self.metrics;
         metrics.kv_blocks_total.set(i64::from(stats.num_usable_blocks));

@@ -7,8 +7,9 @@
 //! By job: `event_loop.rs` (the loop and one step), `plan.rs` (what the scheduler sees, and applying its
 //! plan), `outputs.rs` (applying a forward pass's tokens), `release.rs` (cancellation, expiry, failure,
 //! and releasing a sequence), `lifecycle.rs` (calibration at start, recovery after the shards fail),
-//! `request.rs` (one sequence's state and text); the parts: `queues.rs`, `outbox.rs`, `stats.rs`.
+//! `request.rs` (one sequence's state and text), `draft.rs` (proposals from a draft model); the parts: `queues.rs`, `outbox.rs`, `stats.rs`.
 
+mod draft;
 mod event_loop;
 mod lifecycle;
 mod outbox;
@@ -33,6 +34,7 @@ use thiserror::Error;
 use tokio::sync::mpsc;
 use utoipa::ToSchema;
 
+pub use self::draft::DraftModel;
 pub use self::event_loop::{EngineConfig, EngineCore};
 pub use self::lifecycle::preemption_config;
 pub use self::stats::EngineStats;

@@ -46,10 +46,13 @@ impl EngineCore {
         (plan, prefix_hits)
     }
 
-    /// Speculative decoding: each decoding sequence's proposal for this step (prompt lookup over its own
-    /// tokens); the scheduler decides how much of it the step computes.
+    /// Speculative decoding by n-gram: each decoding sequence's proposal for this step (prompt lookup over
+    /// its own tokens); the scheduler decides how much of it the step computes. (A draft model proposes
+    /// before the plan: `propose_by_draft`.)
     fn propose(&mut self) {
-        let Some(config) = self.speculative else { return };
+        let Some(config) = self.speculative.filter(|_| self.draft.is_none()) else {
+            return;
+        };
         let started = Instant::now();
         for seq in &mut self.queues.running {
             let room = seq.proposal_room().min(config.max_proposed_tokens);
@@ -183,6 +186,9 @@ impl EngineCore {
             .expect("the scheduler swaps only when the host blocks are free");
         self.metrics.swapped_out_blocks.inc_by(copies.len() as u64);
         self.outbox.swap_out(copies);
+        if let Some(draft) = &mut self.draft {
+            draft.release(id);
+        }
         seq.host_blocks = host_blocks;
         // The device blocks go back like a finished sequence's (cached, or to their other holders); the
         // sequence keeps its computed tokens and its state on the shards.

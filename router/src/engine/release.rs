@@ -101,9 +101,12 @@ impl EngineCore {
         }
     }
 
-    /// Returns a sequence's blocks (device and host) to their pools and tells the shards to drop its state
-    /// on the next call.
+    /// Returns a sequence's blocks (device and host, and the draft model's) to their pools and tells the
+    /// shards to drop its state on the next call.
     pub(super) fn release(&mut self, seq: &mut Sequence) {
+        if let Some(draft) = &mut self.draft {
+            draft.release(seq.id);
+        }
         if seq.is_known_to_shards {
             self.outbox.release(seq.id);
         }

@@ -31,6 +31,9 @@ pub struct EngineStats {
     pub num_usable_host_blocks: u32,
     /// Host swap-pool blocks free.
     pub num_free_host_blocks: u32,
+    /// With a draft model (`--speculative draft`): its KV pool's usable blocks, and those free. 0 without.
+    pub num_usable_draft_blocks: u32,
+    pub num_free_draft_blocks: u32,
     /// Prompt tokens the shards computed since the engine started (prefix-cache hits are not computed).
     pub num_prompt_tokens_computed: u64,
     /// Blocks released because the sliding window had left them, since the engine started.
@@ -82,6 +85,8 @@ impl Default for EngineStats {
             num_swapped: 0,
             num_usable_host_blocks: 0,
             num_free_host_blocks: 0,
+            num_usable_draft_blocks: 0,
+            num_free_draft_blocks: 0,
             num_prompt_tokens_computed: 0,
             num_window_released_blocks: 0,
             last_progress: Instant::now(),

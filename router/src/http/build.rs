@@ -16,7 +16,7 @@ use crate::{
     api::MemoryInfo,
     chat_template::ChatTemplate,
     config::{Config, Scheduling},
-    engine::{self, preemption_config, EngineConfig, EngineCore, EngineHandle, EngineTask},
+    engine::{self, preemption_config, DraftModel, EngineConfig, EngineCore, EngineHandle, EngineTask},
     grammar::GrammarCompiler,
     kv::{self, KvPool},
     lora::Adapters,
@@ -62,7 +62,13 @@ struct Pool {
 
 /// Asks the shards for their Info and Warmup, sizes the KV pool, starts the engine task and builds the
 /// HTTP app. The token limits are lowered to the model's positions where they exceed them (logged).
-pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFiles) -> anyhow::Result<Server> {
+/// `draft_shard`: the draft model's shard, with `--speculative draft`.
+pub async fn build(
+    config: &Config,
+    shards: Arc<dyn ShardClient>,
+    draft_shard: Option<Arc<dyn ShardClient>>,
+    model: ModelFiles,
+) -> anyhow::Result<Server> {
     let shard_info = shards.info().await.context("shard Info failed")?;
     tracing::info!(?shard_info, "shard info");
     let mut limits = config.limits.clone();
@@ -81,6 +87,11 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
         }),
     };
     let warmup = shards.warmup(warmup_request).await.context("shard Warmup failed")?;
+    let draft = match draft_shard {
+        // After the target's Warmup: a draft pool sized from memory sees what the target's left.
+        Some(shard) => Some(draft_model(config, shard, &shard_info, &warmup_request).await?),
+        None => None,
+    };
     let block_size = shard_info.block_size as usize;
     let kv = KvPool::new(warmup.num_blocks, block_size, config.batch.prefix_caching)
         .with_max_pinned_fraction(config.batch.max_pinned_kv_fraction);
@@ -114,6 +125,10 @@ pub async fn build(config: &Config, shards: Arc<dyn ShardClient>, model: ModelFi
         metrics.clone(),
     )
     .with_adapters(adapters.clone());
+    let core = match draft {
+        Some(draft) => core.with_draft(draft),
+        None => core,
+    };
     let handle = EngineHandle::new(
         inbox_tx,
         shards,
@@ -155,6 +170,53 @@ async fn load_adapters(config: &Config, shards: &dyn ShardClient, info: &pb::Inf
         "LoRA adapters ready"
     );
     Ok(adapters)
+}
+
+/// The draft model (`--speculative draft`) on `shard`: its vocabulary must be the target's (`target`), and
+/// its Warmup sizes its own KV pool for calls like the target's (`target_warmup`: the same batch bounds,
+/// and `--max-batch-total-tokens` when set, else its memory left), without a swap pool (a preempted
+/// sequence's draft K/V are dropped, not swapped).
+async fn draft_model(
+    config: &Config,
+    shard: Arc<dyn ShardClient>,
+    target: &pb::InfoResponse,
+    target_warmup: &pb::WarmupRequest,
+) -> anyhow::Result<DraftModel> {
+    anyhow::ensure!(
+        config.batch.speculative.is_some(),
+        "a draft model's shard needs --speculative draft"
+    );
+    let info = shard.info().await.context("the draft model's shard: Info failed")?;
+    tracing::info!(?info, "draft shard info");
+    anyhow::ensure!(
+        info.vocab_size == target.vocab_size,
+        "the draft model's vocabulary ({}) differs from the target's ({}): a draft model must share the \
+         target's tokenizer",
+        info.vocab_size,
+        target.vocab_size
+    );
+    let warmup = shard
+        .warmup(pb::WarmupRequest {
+            swap_space_bytes: Some(0),
+            max_speculative_tokens: 0,
+            ..*target_warmup
+        })
+        .await
+        .context("the draft model's shard: Warmup failed")?;
+    anyhow::ensure!(warmup.num_blocks > 1, "the draft model's KV pool has no usable block");
+    tracing::info!(
+        blocks = warmup.num_blocks - 1,
+        block_size = info.block_size,
+        reason = warmup.kv_pool_reason,
+        "draft model's KV pool ready"
+    );
+    Ok(DraftModel::new(
+        shard,
+        warmup.num_blocks,
+        info.block_size as usize,
+        target_warmup.max_batch_tokens as usize,
+        target_warmup.max_batch_size as usize,
+    ))
 }
 
 fn log_pool(config: &Config, pool: &Pool, warmup: &pb::WarmupResponse) {

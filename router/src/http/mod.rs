@@ -25,6 +25,8 @@ mod responses;
 pub mod serve;
 mod service;
 #[cfg(test)]
+mod speculative_draft_tests;
+#[cfg(test)]
 mod speculative_tests;
 #[cfg(test)]
 mod tests;

@@ -19,7 +19,10 @@ use crate::{
     engine::EngineTask,
     metrics::Outcome,
     scheduler::{BatchingMode, KvAdmission, PreemptionMode},
-    shard::fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
+    shard::{
+        fake::{FakeShard, FAKE_EOS, FAKE_VOCAB_SIZE},
+        ShardClient,
+    },
 };
 
 /// Words `w0`..`w30` and the special `<eos>` (id 31), split on whitespace.
@@ -98,6 +101,7 @@ pub(super) fn test_config(
         served_model_name: "fake".into(),
         addr: ([127, 0, 0, 1], 0).into(),
         shard_sockets: Vec::new(),
+        draft_shard_socket: None,
         shard_connect_timeout_s: 0,
         shutdown_timeout: Duration::ZERO,
         connections: ConnectionConfig {
@@ -154,6 +158,15 @@ pub(super) async fn start(config: Config, shard: FakeShard) -> TestServer {
 
 /// `start`, or why `build` refused.
 pub(super) async fn try_start(config: Config, shard: FakeShard) -> anyhow::Result<TestServer> {
+    try_start_with_draft(config, shard, None).await
+}
+
+/// `try_start`, with `draft` as the draft model's shard.
+pub(super) async fn try_start_with_draft(
+    config: Config,
+    shard: FakeShard,
+    draft: Option<Arc<dyn ShardClient>>,
+) -> anyhow::Result<TestServer> {
     let model = ModelFiles {
         tokenizer: Arc::new(tokenizer()),
         tokenizer_path: None,
@@ -166,7 +179,7 @@ pub(super) async fn try_start(config: Config, shard: FakeShard) -> anyhow::Resul
             .expect("valid template"),
         )),
     };
-    let Server { app, state, engine } = build(&config, Arc::new(shard.clone()), model).await?;
+    let Server { app, state, engine } = build(&config, Arc::new(shard.clone()), draft, model).await?;
     Ok(TestServer {
         app,
         state,

@@ -5,7 +5,8 @@
 //! wrote for it, the token it wrote there: a wrong block table, a lost or misplaced swap fails the call.
 //! With LoRA slots (`with_lora`) it loads adapters (any path but one containing `missing`), and fails a
 //! call whose sequences name an adapter it does not hold or more distinct adapters than it has slots, or
-//! that unloads an adapter it does not hold.
+//! that unloads an adapter it does not hold. As a draft model (`with_mispredictions`) it may predict
+//! `t + 2` after some tokens, so a target's verification rejects some of its proposals.
 
 use std::{
     collections::HashMap,
@@ -49,6 +50,8 @@ pub struct FakeShard {
     window: u32,
     /// LoRA slots (Info's `max_loras`); 0: LoRA off.
     max_loras: u32,
+    /// After a token `t` with `t % mispredict_every == mispredict_every - 1` it predicts `t + 2`; 0: never.
+    mispredict_every: u32,
     state: Arc<Mutex<FakeState>>,
 }
 
@@ -60,6 +63,7 @@ impl FakeShard {
             block_size,
             window: 0,
             max_loras: 0,
+            mispredict_every: 0,
             state: Arc::default(),
         }
     }
@@ -80,6 +84,17 @@ impl FakeShard {
     pub fn with_lora(mut self, max_loras: u32) -> Self {
         self.max_loras = max_loras;
         self
+    }
+
+    /// A model that predicts `t + 2` after every token `t` with `t % every == every - 1` (`every` > 0).
+    pub fn with_mispredictions(mut self, every: u32) -> Self {
+        self.mispredict_every = every;
+        self
+    }
+
+    /// Forward calls run so far.
+    pub fn num_forwards(&self) -> usize {
+        self.state.lock().expect("not poisoned").num_forwards
     }
 
     /// The adapters loaded now, by id.
@@ -214,7 +229,7 @@ impl FakeShard {
                 let sampled = &chunk.token_ids[chunk.token_ids.len() - 1 - num_speculative..];
                 generations.extend(sampled.iter().map(|&token| pb::Generation {
                     id: chunk.id,
-                    token_id: (token + 1) % FAKE_VOCAB_SIZE,
+                    token_id: (token + self.step_after(token)) % FAKE_VOCAB_SIZE,
                     logprob: -0.5,
                     top_logprobs: Vec::new(),
                 }));
@@ -232,6 +247,18 @@ impl FakeShard {
             generations,
             forward_time_us: 1,
         })
+    }
+}
+
+impl FakeShard {
+    /// What the fake adds to `token` to predict the next one.
+    fn step_after(&self, token: u32) -> u32 {
+        let every = self.mispredict_every;
+        if every > 0 && token % every == every - 1 {
+            2
+        } else {
+            1
+        }
     }
 }
 
