@@ -5,9 +5,11 @@ one run, where answers copy their prompt and where nothing asks them to.
 
 Starts Rill twice — speculation off, and `--speculative ngram --num-speculative-tokens 4` — and runs
 `python -m bench compare` (off first, then on) on the `repeat` workload through the chat API (greedy: copy
-a function or two paragraphs with one rename) at 1, 4 and 16 clients (`--num-requests` requests, at most 4
+a function or two paragraphs with one rename) at 1, 4 and 16 clients (`--num-requests` requests, at most 8
 a client), then on the peers workload (random words, 16 clients, `--num-requests`), which asks for no
-copying: what speculation costs with less to copy. Ratios are on / off. After each run it reads the
+copying: what speculation costs with less to copy. Then a third server, `--speculative draft` with the model
+as its own draft (no smaller model with its tokenizer is at hand: every proposal is right and costs a full
+forward), against the first at 1 client on `repeat`: what the draft machinery costs. Ratios are on / off. After each run it reads the
 speculating server's `/metrics` for its acceptance rate (accepted / proposed tokens) and the tokens accepted
 per draft. Speculation changes no token, so the two sides' answers have the same lengths, request by
 request; the suite checks that too. Last, it asks the server without speculation for the answer to each of
@@ -32,7 +34,7 @@ NUM_SPECULATIVE_TOKENS = 4
 SPECULATIVE_FLAGS = ["--speculative", "ngram", "--num-speculative-tokens", str(NUM_SPECULATIVE_TOKENS)]
 LOOKUP_NGRAMS = (3, 2, 1)  # the ceiling's lookup: the longest of these suffixes that occurred before
 REPEAT_CLIENTS = (1, 4, 16)
-REQUESTS_PER_CLIENT = 4
+REQUESTS_PER_CLIENT = 8
 DRAFTS = "rill_spec_decode_num_drafts_total"
 DRAFT_TOKENS = "rill_spec_decode_num_draft_tokens_total"
 ACCEPTED_TOKENS = "rill_spec_decode_num_accepted_tokens_total"
@@ -40,7 +42,7 @@ ACCEPTED_TOKENS = "rill_spec_decode_num_accepted_tokens_total"
 
 def repeat_workload(args: argparse.Namespace, clients: int) -> list[str]:
     """`python -m bench` flags of the repeat workload at `clients` concurrent clients: `--num-requests`, but
-    at most 4 a client (a single client's answers come one at a time; this keeps the suite short)."""
+    at most 8 a client (a single client's answers come one at a time; this keeps the suite short)."""
     num_requests = min(args.num_requests, REQUESTS_PER_CLIENT * clients)
     return ["--workload", "repeat", "--api", "chat", "--concurrency", str(clients),
             "--num-requests", str(num_requests)]  # fmt: skip
@@ -134,6 +136,8 @@ def lookup_ceiling(server: Server) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rill.convert import ensure_default_model
+
     workloads = {f"repeat, {clients} client{'s' * (clients > 1)}": repeat_workload(args, clients)
                  for clients in REPEAT_CLIENTS}  # fmt: skip
     workloads[f"peers, {peers.CLIENTS} clients"] = peers.workload(args)
@@ -145,6 +149,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             before = metrics(on)
             report = compare(args, off, on, *workload)
             report["speculation"] = acceptance(before, metrics(on))
+            report["length_mismatches"] = length_mismatches(report)
+            runs[label] = report
+        # A draft model needs a smaller model with the same tokenizer; the only one at hand is the model
+        # itself: every proposal right, each costing a full forward of the draft.
+        model = str(args.model_id or ensure_default_model())
+        with rill(args, "spec-draft", *flags, "--speculative", "draft", "--draft-model-id", model) as draft:
+            label = "repeat, 1 client, the model as its own draft"
+            print(f"\n[speculative] {label}", flush=True)
+            before = metrics(draft)
+            report = compare(args, off, draft, *repeat_workload(args, 1))
+            report["speculation"] = acceptance(before, metrics(draft))
             report["length_mismatches"] = length_mismatches(report)
             runs[label] = report
         # last: its requests fill the off server's prefix cache, which the runs must find as cold as on's
