@@ -10,11 +10,12 @@ a client), then on the peers workload (random words, 16 clients, `--num-requests
 copying: what speculation costs with less to copy. Then a third server, `--speculative draft` with the model
 as its own draft (no smaller model with its tokenizer is at hand: every proposal is right and costs a full
 forward), against the first at 1 client on `repeat`: what the draft machinery costs. Ratios are on / off.
+
 After each run it reads the speculating server's `/metrics` for its acceptance rate (accepted / proposed
 tokens) and the tokens accepted per draft. Speculation changes no token, so the two sides' answers have the
-same lengths, request by request; the suite checks that too. Last, it asks the server without speculation for the answer to each of
-the 20 repeat prompts and prints the share of their tokens a prompt lookup would have had accepted: the
-ceiling the acceptance is measured against.
+same lengths, request by request; the suite checks that too. Last, it asks the server without speculation
+for the answer to each of the 20 repeat prompts and prints the share of their tokens a prompt lookup would
+have had accepted: the ceiling the acceptance is measured against.
 """
 
 from __future__ import annotations
