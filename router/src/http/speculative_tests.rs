@@ -1,12 +1,13 @@
 //! Speculative decoding (n-gram) over HTTP, against the fake shard (whose model predicts `t + 1` after
 //! `t`, so a prompt that holds its own continuation is proposed and accepted): the same tokens as without
 //! speculation, stop sequences and `max_new_tokens` that end a sequence mid-proposal, preemption under
-//! memory pressure, the blocks of rejected proposals given back, and the metrics.
+//! memory pressure, cancellation, the blocks of rejected proposals given back, and the metrics.
 
 use serde_json::{json, Value};
 
-use super::tests::{generate, idle_free_blocks, post, start, test_config, TestServer};
+use super::tests::{generate, idle_free_blocks, post, start, submit_direct, test_config, TestServer};
 use crate::{
+    metrics::Outcome,
     scheduler::{BatchingMode, KvAdmission, PreemptionMode},
     shard::fake::{FakeShard, FAKE_VOCAB_SIZE},
     speculative::SpeculativeConfig,
@@ -132,4 +133,19 @@ async fn speculating_sequences_survive_preemption_exactly() {
         assert_eq!(idle_free_blocks(&server).await, 12);
         assert_eq!(metrics.swap_blocks_free.get(), metrics.swap_blocks_total.get());
     }
+}
+
+#[tokio::test]
+async fn a_dropped_speculating_stream_is_cancelled_and_frees_its_blocks() {
+    let server = server(64, true, PreemptionMode::Recompute).await;
+    // Ids are the words' numbers: the prompt holds the 10 tokens after its last one, then a jump.
+    let prompt: Vec<u32> = (3..=12).chain([25, 2]).collect();
+    let mut receiver = submit_direct(&server, |valid| valid.prompt_ids = prompt).await;
+    for _ in 0..4 {
+        receiver.recv().await.expect("a token").expect("no error");
+    }
+    drop(receiver);
+    assert_eq!(idle_free_blocks(&server).await, 63);
+    assert_eq!(server.state.engine.metrics.num_requests(Outcome::Cancelled), 1);
+    assert!(accepted(&server).2 > 0, "it speculated before it was dropped");
 }
