@@ -319,3 +319,50 @@ def test_a_draft_model_changes_no_token(
         else:
             assert 0 < spec["accepted_tokens"] < spec["draft_tokens"], "a cut draft agrees only sometimes"
         assert kv["used_blocks"] == 0 and kv["free_blocks"] + kv["cached_blocks"] == kv["total_blocks"], kv
+
+
+def test_a_draft_model_under_preemption_with_stop_strings(
+    tiny_model: Path, small_draft: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """16 concurrent requests (greedy, seeded, some ended by a stop string) with the cut draft on a pool with
+    room for a few of them: each gets what a roomy server without speculation gives it, and both pools are
+    whole when idle."""
+    batch = [(f"{DRAFT_PROMPTS[i % len(DRAFT_PROMPTS)]} ({i})", {"max_new_tokens": 40}) for i in range(16)]
+    for i, (_, params) in enumerate(batch):
+        if i % 4 == 1:
+            params.update(do_sample=True, temperature=0.8, seed=40 + i)
+    roomy = ("--max-batch-tokens", "256", "--max-batch-total-tokens", "8000", "--max-batch-size", "16")
+    plain = start_server(tiny_model, tmp_path_factory.mktemp("draft-stop-plain"), *roomy)
+    try:
+        unstopped = [generate(plain, prompt, **params)["generated_text"] for prompt, params in batch]
+        for i, (_, params) in enumerate(batch):
+            words = unstopped[i].split()
+            if i % 4 == 3 and len(words) > 8:
+                params["stop"] = [words[len(words) // 2]]  # fires mid-answer, maybe mid-proposal
+        expected = [generate(plain, prompt, **params) for prompt, params in batch]
+    finally:
+        stop_server(plain)
+    assert any(result["details"]["finish_reason"] == "stop_sequence" for result in expected)
+    tiny_pool = ("--max-batch-tokens", "256", "--max-batch-total-tokens", "384", "--swap-space", "0.01")
+    draft_flags = ("--speculative", "draft", "--draft-model-id", str(small_draft))
+    server = start_server(tiny_model, tmp_path_factory.mktemp("draft-stop"), *tiny_pool, *draft_flags)
+    try:
+        results = serve_concurrently(server, batch)
+        spec = counters(server)
+        kv = server.wait_idle()["kv"]
+        metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+    finally:
+        stop_server(server)
+    for (prompt, params), want, result in zip(batch, expected, results, strict=True):
+        assert token_ids(result) == token_ids(want), (prompt, params)
+        assert result["details"]["finish_reason"] == want["details"]["finish_reason"]
+    preemptions = sum(
+        metric(metrics, f'rill_preemptions_total{{mode="{mode}"}}') for mode in ("recompute", "swap")
+    )
+    print(
+        f"preemptions {preemptions:.0f}, accepted {spec['accepted_tokens']:.0f} of {spec['draft_tokens']:.0f}"
+    )
+    assert preemptions > 0
+    assert spec["accepted_tokens"] > 0
+    assert kv["used_blocks"] == 0 and kv["free_blocks"] + kv["cached_blocks"] == kv["total_blocks"], kv
+    assert 0 < kv["draft_free_blocks"] == kv["draft_total_blocks"], kv

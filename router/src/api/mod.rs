@@ -330,6 +330,10 @@ pub struct KvInfo {
     pub window_released_blocks: u64,
     /// Session pins (`prompt_cache_key`): finished requests' cached prefixes kept from eviction.
     pub pins: PinInfo,
+    /// With `--speculative draft`: the draft model's own pool, blocks a sequence can use and those free
+    /// (all of them once the server is idle); 0 otherwise.
+    pub draft_total_blocks: u32,
+    pub draft_free_blocks: u32,
 }
 
 /// Session pins as the engine last published them, and their bounds.

@@ -109,6 +109,8 @@ pub async fn info(State(state): State<AppState>) -> Json<Info> {
                 default_ttl_s: state.limits.cache_pin_ttl.as_secs(),
                 max_ttl_s: state.limits.max_cache_pin_ttl.as_secs(),
             },
+            draft_total_blocks: stats.num_usable_draft_blocks,
+            draft_free_blocks: stats.num_free_draft_blocks,
         },
         memory: state.memory.clone(),
         responses_store: super::responses::store_size(&state),
