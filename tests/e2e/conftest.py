@@ -73,20 +73,15 @@ def tiny_model(default_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return make_tiny_model(default_model, tmp_path_factory.mktemp("tiny-model"))
 
 
+# The session server's flags: a small batch-token budget, so long prompts are prefilled in chunks.
+SERVER_FLAGS = ("--max-batch-tokens", "256", "--max-batch-total-tokens", "40000", "--max-batch-size", "32")
+
+
 @pytest.fixture(scope="session")
 def server(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The default model behind a small batch-token budget, so long prompts are prefilled in chunks."""
+    """The default model behind `SERVER_FLAGS`."""
     tmp_dir = tmp_path_factory.mktemp("server")
-    srv = start_server(
-        default_model,
-        tmp_dir,
-        "--max-batch-tokens",
-        "256",
-        "--max-batch-total-tokens",
-        "40000",
-        "--max-batch-size",
-        "32",
-    )
+    srv = start_server(default_model, tmp_dir, *SERVER_FLAGS)
     yield srv
     stop_server(srv)
     assert srv.process.returncode == 0, srv.log_path.read_text()[-3000:]

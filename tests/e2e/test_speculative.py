@@ -19,7 +19,7 @@ import pytest
 import requests
 import torch
 
-from .conftest import Server, start_server, stop_server
+from .conftest import SERVER_FLAGS, Server, start_server, stop_server
 from .test_preemption import metric
 from .test_serving import PROMPT, generate, token_ids
 
@@ -57,17 +57,7 @@ def counters(server: Server) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def speculative_server(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The session `server`'s flags (the default model), with n-gram speculation."""
-    server = start_server(
-        default_model,
-        tmp_path_factory.mktemp("speculative"),
-        "--max-batch-tokens",
-        "256",
-        "--max-batch-total-tokens",
-        "40000",
-        "--max-batch-size",
-        "32",
-        *SPECULATIVE,
-    )
+    server = start_server(default_model, tmp_path_factory.mktemp("speculative"), *SERVER_FLAGS, *SPECULATIVE)
     yield server
     stop_server(server)
     assert server.process.returncode == 0, server.log_path.read_text()[-3000:]

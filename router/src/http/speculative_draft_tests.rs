@@ -8,24 +8,20 @@
 use std::sync::Arc;
 
 use futures::{future::BoxFuture, FutureExt};
-use serde_json::Value;
 
-use super::tests::{generate, idle_free_blocks, start, test_config, try_start_with_draft, TestServer};
+use super::{
+    speculative_tests::{accepted, num_preemptions, speculative_config, token_ids},
+    tests::{generate, idle_free_blocks, start, test_config, try_start_with_draft, TestServer},
+};
 use crate::{
     config::Config,
     scheduler::{BatchingMode, KvAdmission, PreemptionMode},
     shard::{fake::FakeShard, fake::FAKE_VOCAB_SIZE, pb, ShardClient, ShardError},
-    speculative::SpeculativeConfig,
 };
 
 fn config(preemption_mode: PreemptionMode) -> Config {
     let mut config = test_config(64, BatchingMode::Continuous, preemption_mode, KvAdmission::Incremental);
-    config.batch.speculative = Some(SpeculativeConfig {
-        max_proposed_tokens: 4,
-        ngram_min: 1,
-        ngram_max: 3,
-        max_step_tokens: 64,
-    });
+    config.batch.speculative = Some(speculative_config());
     config
 }
 
@@ -45,25 +41,6 @@ async fn plain_server() -> TestServer {
         KvAdmission::Incremental,
     );
     start(config, FakeShard::new(64, 4)).await
-}
-
-fn token_ids(result: &Value) -> Vec<u64> {
-    result["details"]["tokens"]
-        .as_array()
-        .unwrap_or_else(|| panic!("tokens in {result}"))
-        .iter()
-        .map(|t| t["id"].as_u64().expect("id"))
-        .collect()
-}
-
-/// (verifications, proposed tokens, accepted tokens)
-fn accepted(server: &TestServer) -> (u64, u64, u64) {
-    let metrics = &server.state.engine.metrics;
-    (
-        metrics.spec_decode_drafts.get(),
-        metrics.spec_decode_draft_tokens.get(),
-        metrics.spec_decode_accepted_tokens.get(),
-    )
 }
 
 /// Waits for the engine to go idle; then every block of the target's pool is free or cached and every
@@ -158,18 +135,17 @@ async fn concurrent_drafting_sequences_survive_preemption_exactly() {
             let counted: Vec<u64> = (1..=19).map(|k| u64::from((start + k) % FAKE_VOCAB_SIZE)).collect();
             assert_eq!(token_ids(&result), counted);
         }
-        let metrics = &server.state.engine.metrics;
-        let preemptions: u64 = ["swap", "recompute"]
-            .iter()
-            .map(|mode| metrics.preemptions.with_label_values(&[mode]).get())
-            .sum();
-        assert!(preemptions > 0, "{mode:?}: the pool is too small for 16 sequences");
+        assert!(
+            num_preemptions(&server) > 0,
+            "{mode:?}: the pool is too small for 16 sequences"
+        );
         let (_, draft_tokens, accepted_tokens) = accepted(&server);
         assert!(
             0 < accepted_tokens && accepted_tokens < draft_tokens,
             "{accepted_tokens} of {draft_tokens}"
         );
         assert_pools_whole(&server, 13).await;
+        let metrics = &server.state.engine.metrics;
         assert_eq!(metrics.swap_blocks_free.get(), metrics.swap_blocks_total.get());
         assert!(draft.num_forwards() > 0);
     }

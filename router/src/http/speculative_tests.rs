@@ -13,19 +13,24 @@ use crate::{
     speculative::SpeculativeConfig,
 };
 
-/// A server on `num_blocks` blocks of 4 (20 host blocks to swap to), with n-gram speculation or without.
-async fn server(num_blocks: u32, is_speculative: bool, preemption_mode: PreemptionMode) -> TestServer {
-    let mut config = test_config(64, BatchingMode::Continuous, preemption_mode, KvAdmission::Incremental);
-    config.batch.speculative = is_speculative.then_some(SpeculativeConfig {
+/// The speculation settings of the test servers: up to 4 proposals a step, however many sequences run.
+pub(super) fn speculative_config() -> SpeculativeConfig {
+    SpeculativeConfig {
         max_proposed_tokens: 4,
         ngram_min: 1,
         ngram_max: 3,
         max_step_tokens: 64,
-    });
+    }
+}
+
+/// A server on `num_blocks` blocks of 4 (20 host blocks to swap to), with n-gram speculation or without.
+async fn server(num_blocks: u32, is_speculative: bool, preemption_mode: PreemptionMode) -> TestServer {
+    let mut config = test_config(64, BatchingMode::Continuous, preemption_mode, KvAdmission::Incremental);
+    config.batch.speculative = is_speculative.then(speculative_config);
     start(config, FakeShard::new(num_blocks, 4).with_swap_pool(20)).await
 }
 
-fn token_ids(result: &Value) -> Vec<u64> {
+pub(super) fn token_ids(result: &Value) -> Vec<u64> {
     result["details"]["tokens"]
         .as_array()
         .unwrap_or_else(|| panic!("tokens in {result}"))
@@ -43,13 +48,23 @@ fn self_repeating_prompt(start: u32, ahead: u32) -> String {
     words.join(" ")
 }
 
-fn accepted(server: &TestServer) -> (u64, u64, u64) {
+/// (verifications, proposed tokens, accepted tokens)
+pub(super) fn accepted(server: &TestServer) -> (u64, u64, u64) {
     let metrics = &server.state.engine.metrics;
     (
         metrics.spec_decode_drafts.get(),
         metrics.spec_decode_draft_tokens.get(),
         metrics.spec_decode_accepted_tokens.get(),
     )
+}
+
+/// Preemptions so far, swap and recompute.
+pub(super) fn num_preemptions(server: &TestServer) -> u64 {
+    let metrics = &server.state.engine.metrics;
+    ["swap", "recompute"]
+        .iter()
+        .map(|mode| metrics.preemptions.with_label_values(&[mode]).get())
+        .sum()
 }
 
 #[tokio::test]
@@ -123,14 +138,13 @@ async fn speculating_sequences_survive_preemption_exactly() {
             let counted: Vec<u64> = (1..=18).map(|k| u64::from((start + k) % FAKE_VOCAB_SIZE)).collect();
             assert_eq!(token_ids(&result), counted);
         }
-        let metrics = &server.state.engine.metrics;
-        let preemptions: u64 = ["swap", "recompute"]
-            .iter()
-            .map(|mode| metrics.preemptions.with_label_values(&[mode]).get())
-            .sum();
-        assert!(preemptions > 0, "{mode:?}: the pool is too small for 16 sequences");
+        assert!(
+            num_preemptions(&server) > 0,
+            "{mode:?}: the pool is too small for 16 sequences"
+        );
         assert!(accepted(&server).2 > 0);
         assert_eq!(idle_free_blocks(&server).await, 12);
+        let metrics = &server.state.engine.metrics;
         assert_eq!(metrics.swap_blocks_free.get(), metrics.swap_blocks_total.get());
     }
 }
