@@ -252,9 +252,14 @@ impl EngineCore {
         let started = Instant::now();
         let mut inputs = Vec::new();
         let mut proposers = Vec::new();
+        // Drafting costs forwards: only as many tokens as the scheduler could give room to (the proposal
+        // budget of `scheduler::schedule`, oldest sequences first), none at all once the decodes fill it.
+        let num_decodes = self.queues.running.iter().filter(|seq| seq.is_decoding()).count();
+        let mut budget = config.max_step_tokens.saturating_sub(num_decodes);
         for (i, seq) in self.queues.running.iter().enumerate() {
             draft.roll_back(seq.id, seq.num_computed_tokens);
-            let room = seq.proposal_room().min(config.max_proposed_tokens);
+            let room = seq.proposal_room().min(config.max_proposed_tokens).min(budget);
+            budget -= room;
             if room > 0 {
                 inputs.push(DraftInput {
                     id: seq.id,

@@ -166,12 +166,16 @@ impl Sequence {
         }
     }
 
+    /// Whether its one uncomputed token is the last sampled one.
+    pub fn is_decoding(&self) -> bool {
+        self.token_ids.len() - self.num_computed_tokens == 1
+    }
+
     /// Whether proposals may be made for it now: it is decoding (its one uncomputed token is the last
     /// sampled), not under a grammar (a proposal could leave it), and has tokens left to generate after
     /// the next one. Returns how many at most.
     pub fn proposal_room(&self) -> usize {
-        let is_decoding = self.token_ids.len() - self.num_computed_tokens == 1;
-        if !is_decoding || self.grammar.is_some() {
+        if !self.is_decoding() || self.grammar.is_some() {
             return 0;
         }
         let num_left = (self.request.max_new_tokens as usize).saturating_sub(self.num_generated_tokens());

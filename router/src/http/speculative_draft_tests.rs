@@ -232,3 +232,25 @@ async fn a_draft_with_another_vocabulary_is_refused() {
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn no_draft_is_computed_when_the_decodes_fill_the_speculative_budget() {
+    let plain = plain_server().await;
+    let mut config = config(PreemptionMode::Recompute);
+    config.batch.speculative = config.batch.speculative.map(|mut spec| {
+        spec.max_step_tokens = 1; // one decode fills it
+        spec
+    });
+    let draft = FakeShard::new(40, 4);
+    let target = FakeShard::new(64, 4);
+    let spec = try_start_with_draft(config, target, Some(Arc::new(draft.clone())))
+        .await
+        .expect("the fake shards wire");
+    for (prompt, max_new_tokens) in PROMPTS {
+        let expected = generate(&plain.app, prompt, max_new_tokens).await;
+        let result = generate(&spec.app, prompt, max_new_tokens).await;
+        assert_eq!(token_ids(&result), token_ids(&expected), "{prompt}");
+    }
+    assert_eq!(draft.num_forwards(), 0, "a draft nobody can verify is not computed");
+    assert_eq!(accepted(&spec), (0, 0, 0));
+}
