@@ -22,8 +22,8 @@ import requests
 from tests.e2e.conftest import kill_instance
 from tests.gateway.conftest import MODEL, Gateway, Replica
 
-# The prefix workload: GROUPS long prefixes (about 500 tokens each), REQUESTS_PER_GROUP requests each with its
-# own short question, in one shuffled order, sent one at a time.
+# The prefix workload: GROUPS long prefixes (prompts of about 410 tokens), REQUESTS_PER_GROUP requests
+# each with its own short question, in one shuffled order, sent one at a time.
 GROUPS = 4
 REQUESTS_PER_GROUP = 6
 PREFIX_WORDS = 400
