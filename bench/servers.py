@@ -121,11 +121,12 @@ def start(
     what: str = "server",
     timeout_s: float = 300.0,
     env: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
 ) -> Server:
-    """Runs `command`, a server on `port` (see `spawn`), until `GET /health` answers 200. If it exits first
-    or is not healthy within `timeout_s`, it is stopped and `RuntimeError` raised (see `wait_until`)."""
+    """Runs `command`, a server on `host`:`port` (see `spawn`), until `GET /health` answers 200. If it exits
+    first or is not healthy within `timeout_s`, it is stopped and `RuntimeError` raised (see `wait_until`)."""
     process = spawn(command, log_path, env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     try:
         wait_until(lambda: is_healthy(url), process, what, log_path, timeout_s)
     except BaseException:

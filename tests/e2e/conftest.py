@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,19 +35,44 @@ class Server(servers.Server):
             time.sleep(0.1)
 
 
-def start_server(model_path: Path, tmp_dir: Path, *extra_args: str, timeout_s: float = 300.0) -> Server:
-    """`python -m rill` with `model_path` on the CPU with one thread, once GET /health answers 200."""
-    port = free_port()
+def start_server(
+    model_path: Path,
+    tmp_dir: Path,
+    *extra_args: str,
+    timeout_s: float = 300.0,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> Server:
+    """`python -m rill` with `model_path` on the CPU with one thread, listening on `host`:`port` (a free port
+    when None), once GET /health answers 200."""
+    port = free_port() if port is None else port
     if "RILL_ROUTER_BIN" in os.environ:
         extra_args = (*extra_args, "--router-bin", os.environ["RILL_ROUTER_BIN"])
-    flags = ["--model-id", str(model_path), "--device", "cpu", "--num-threads", "1", *extra_args]
-    log_path = tmp_dir / f"launcher-{port}.log"
-    started = servers.start(rill_command(port, *flags), port, log_path, what="launcher", timeout_s=timeout_s)
+    flags = ["--model-id", str(model_path), "--device", "cpu", "--num-threads", "1", "--hostname", host]
+    flags += extra_args
+    log_path = tmp_dir / f"launcher-{host}-{port}.log"
+    started = servers.start(
+        rill_command(port, *flags), port, log_path, what="launcher", timeout_s=timeout_s, host=host
+    )
     return Server(started.url, started.process, started.log_path)
 
 
 def stop_server(server: Server) -> None:
     servers.stop(server.process, grace_s=30)
+
+
+def kill_instance(server: Server) -> None:
+    """A crash: SIGKILL to the launcher and to the process group of each of its children (shards, router;
+    the launcher starts each in its own session), so nothing gets to shut down cleanly."""
+    pid = server.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    server.process.kill()
+    for child in children:
+        try:
+            os.killpg(int(child), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.process.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from bench.servers import ROOT, accepts_connections, free_port, wait_until
-from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.conftest import Server, kill_instance, start_server, stop_server
 
 NGINX = shutil.which("nginx")
 pytestmark = pytest.mark.skipif(
@@ -63,20 +63,6 @@ def render_nginx_conf(upstream_ports: list[int], listen_port: int, tmp_dir: Path
     if os.geteuid() == 0:  # the master runs as root: keep the workers able to use the temp folder
         text = "user root;\n" + text
     return text
-
-
-def kill_instance(server: Server) -> None:
-    """A crash: SIGKILL to the launcher and to the process group of each of its children (shards, router;
-    the launcher starts each in its own session), so nothing gets to shut down cleanly."""
-    pid = server.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    server.process.kill()
-    for child in children:
-        try:
-            os.killpg(int(child), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    server.process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
