@@ -217,7 +217,7 @@ def test_new_prefixes_avoid_a_loaded_replica(replicas: Replicas, gateway: Gatewa
             thread.join()
 
 
-def test_smg_polls_each_replicas_loads(replicas: Replicas, gateway: Gateway) -> None:
+def test_smg_polls_and_reads_each_replicas_loads(replicas: Replicas, gateway: Gateway) -> None:
     def loads_calls(server: Server) -> int:
         return server.log_path.read_text(errors="replace").count('"/v1/loads"')  # the `path` field
 
@@ -226,6 +226,15 @@ def test_smg_polls_each_replicas_loads(replicas: Replicas, gateway: Gateway) -> 
     after = [loads_calls(server) for server in replicas.servers]
     polled = all(a >= b + 2 for a, b in zip(after, before, strict=True))
     assert polled, f"GET /v1/loads per replica: {before} -> {after}"
+    # ... and reads the answers: smg's own view of each worker's load carries the replica's KV pool size and
+    # batch limit, which only Rill's /v1/loads says.
+    smg_loads = requests.get(f"{gateway.url}/get_loads", timeout=10).json()["loads"]
+    seen = {load["worker"]: load for load in smg_loads}
+    for server in replicas.servers:
+        (rill,) = requests.get(f"{server.url}/v1/loads", timeout=10).json()["loads"]
+        assert seen[server.url]["max_total_num_tokens"] == rill["max_total_num_tokens"] > 0
+        # 8: the replicas' --max-batch-size.
+        assert seen[server.url]["max_running_requests"] == rill["max_running_requests"] == 8
 
 
 def hit_rate(replicas: Replicas, gateway: Gateway, seed: int, groups: int = 5, rounds: int = 4) -> float:
