@@ -71,7 +71,8 @@ def test_values_change_the_rendering() -> None:
     assert "replicas" not in deployment["spec"]  # the HorizontalPodAutoscaler owns it
     assert objects["HorizontalPodAutoscaler", "rill"]["spec"]["scaleTargetRef"]["name"] == "rill"
 
-    cpu = rill_container(render("device=cpu"))
+    cpu = rill_container(render("device=cpu", "dtype=float32"))
+    assert {"name": "RILL_DTYPE", "value": "float32"} in cpu["env"]
     assert "nvidia.com/gpu" not in cpu["resources"]["requests"] | cpu["resources"].get("limits", {})
 
 
