@@ -1,5 +1,5 @@
 """Writes kubeconform's offline schema folder from the JSON schemas that the `kubernetes-validate` PyPI
-package ships, so CI validates deploy/kubernetes with no network beyond the package registries.
+package ships, so CI validates the Helm chart's output with no network beyond the package registries.
 
 Run: python .ci/kubernetes_schemas.py KUBERNETES_VERSION OUT_DIR   (e.g. 1.31.0 /tmp/schemas)
 Then kubeconform -strict -kubernetes-version 1.31.0 -schema-location OUT_DIR/TEMPLATE, as .ci/run does, with

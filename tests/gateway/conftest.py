@@ -32,12 +32,12 @@ import yaml
 from bench import servers
 from bench.servers import ROOT, free_port
 from tests.e2e.conftest import Server, start_server, stop_server
+from tests.test_helm_chart import HELM, render
 
 # tests/gateway/tools.sh's cache folder: the EPP, kube-apiserver and the InferencePool CRD.
 TOOLS_BIN = Path.home() / ".cache" / "rill-ci" / "bin"
 CRD_FILE = "inference.networking.k8s.io_inferencepools.yaml"
 EPP_CONFIG = ROOT / "deploy" / "inference-gateway" / "epp-config.yaml"
-DEPLOYMENT = ROOT / "deploy" / "kubernetes" / "deployment.yaml"
 NAMESPACE = "default"
 POOL = "rill"
 MODEL = "smollm2"  # the replicas' --served-model-name, sent as `model`
@@ -62,6 +62,8 @@ def envoy_binary() -> Path | None:
 
 def missing_tools() -> list[str]:
     missing = []
+    if HELM is None:
+        missing.append("helm (.ci/run builds it)")
     if shutil.which("etcd") is None:
         missing.append("etcd (apt-get install etcd-server)")
     if envoy_binary() is None:
@@ -207,19 +209,13 @@ def install_pool(kube: Kube, port: int) -> tuple[dict, dict]:
         time.sleep(0.2)
     # The pods' service account (kube-controller-manager, which would create it, does not run).
     kube.call("POST", f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts", {"metadata": {"name": "default"}})
-    deployment = yaml.safe_load(DEPLOYMENT.read_text())
-    pool = {
-        "apiVersion": "inference.networking.k8s.io/v1",
-        "kind": "InferencePool",
-        "metadata": {"name": POOL},
-        "spec": {
-            "selector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]},
-            "targetPorts": [{"number": port}],
-            "endpointPickerRef": {"name": f"{POOL}-epp", "port": {"number": 9002}},
-        },
-    }
+    # The Helm chart's own pool and pod labels (release "rill"), the pool aimed at the replicas' port.
+    chart = render("inferencePool.enabled=true")
+    labels = chart["Deployment", POOL]["spec"]["template"]["metadata"]["labels"]
+    pool = chart["InferencePool", POOL]
+    pool["spec"]["targetPorts"] = [{"number": port}]
     kube.call("POST", f"/apis/inference.networking.k8s.io/v1/namespaces/{NAMESPACE}/inferencepools", pool)
-    return deployment["spec"]["template"]["metadata"]["labels"], pool
+    return labels, pool
 
 
 def create_pod(kube: Kube, name: str, labels: dict, port: int) -> None:
