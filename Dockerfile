@@ -89,8 +89,8 @@ WORKDIR /home/rill
 # the default model, converted from its GGUF into $XDG_CACHE_HOME/rill/models, so a container starts serving
 # it without converting.
 RUN python -m rill.kernels.build && python -m rill.convert
-# The model cache is a volume (declared after the conversion, which it starts from): a model converted from a
-# .gguf (RILL_MODEL_ID=/models/x.gguf) is converted once per volume, not once per container.
+# The model cache is a volume (declared after the conversion, which it starts from): with a named volume there,
+# a model converted from a .gguf (RILL_MODEL_ID=/models/x.gguf) is converted once, not once per container.
 VOLUME ["/home/rill/.cache/rill/models", "/models"]
 EXPOSE 8080
 # Liveness only: /health answers while the router runs. Loading a large model takes minutes: the start
