@@ -165,7 +165,11 @@ impl RadixCache {
     /// then one [`KvEvent::Stored`] per cached block, every parent before its children. O(n).
     pub fn snapshot_events(&self) -> Vec<KvEvent> {
         let mut events = vec![KvEvent::AllCleared];
-        let mut stack: Vec<NodeId> = self.roots.values().flat_map(|children| children.values().copied()).collect();
+        let mut stack: Vec<NodeId> = self
+            .roots
+            .values()
+            .flat_map(|children| children.values().copied())
+            .collect();
         while let Some(id) = stack.pop() {
             let node = self.node(id);
             events.push(KvEvent::Stored {
@@ -664,8 +668,14 @@ mod tests {
                     assert_eq!(subscriber[&parent].2, namespace, "a chain below another namespace");
                 }
                 for (hash, tokens) in block_hashes.into_iter().zip(token_ids.chunks(block_size)) {
-                    assert!(parent.is_none_or(|parent| subscriber.contains_key(&parent)), "unknown parent");
-                    assert!(subscriber.insert(hash, (parent, tokens.to_vec(), namespace)).is_none(), "stored twice");
+                    assert!(
+                        parent.is_none_or(|parent| subscriber.contains_key(&parent)),
+                        "unknown parent"
+                    );
+                    assert!(
+                        subscriber.insert(hash, (parent, tokens.to_vec(), namespace)).is_none(),
+                        "stored twice"
+                    );
                     parent = Some(hash);
                 }
             }
@@ -738,7 +748,10 @@ mod tests {
         );
         // Another namespace: other hashes for the same tokens.
         cache.insert(5, &[1, 2], &[40]);
-        assert_eq!(cache.take_events(), vec![stored(vec![block_hash(5, &[1, 2])], None, vec![1, 2], 5)]);
+        assert_eq!(
+            cache.take_events(),
+            vec![stored(vec![block_hash(5, &[1, 2])], None, vec![1, 2], 5)]
+        );
         assert_ne!(block_hash(5, &[1, 2]), h1);
         // A window-released (null) entry stops the chain.
         cache.insert(7, &[1, 2, 3, 4], &[0, 41]);
@@ -760,15 +773,12 @@ mod tests {
         let evicted = cache.evict(3);
         assert_eq!(evicted, vec![12, 11, 20], "LRU leaves, a parent once its child is gone");
         let events = cache.take_events();
-        let KvEvent::Removed { block_hashes } = &events[..] else {
+        let [KvEvent::Removed { block_hashes }] = &events[..] else {
             panic!("one Removed event: {events:?}")
         };
         let h11 = block_hash(0, &[1, 1]);
         let h22 = block_hash(h11, &[2, 2]);
-        assert_eq!(
-            block_hashes,
-            &[block_hash(h22, &[3, 3]), h22, block_hash(h11, &[4, 4])]
-        );
+        assert_eq!(block_hashes, &[block_hash(h22, &[3, 3]), h22, block_hash(h11, &[4, 4])]);
         for event in events {
             follow(&mut subscriber, event, 2);
         }
@@ -1171,8 +1181,11 @@ mod tests {
             for event in self.cache.take_events() {
                 follow(&mut self.subscriber, event, self.block_size);
             }
-            let described: HashSet<(u64, Vec<u32>)> =
-                self.subscriber.keys().map(|&hash| prefix(&self.subscriber, hash)).collect();
+            let described: HashSet<(u64, Vec<u32>)> = self
+                .subscriber
+                .keys()
+                .map(|&hash| prefix(&self.subscriber, hash))
+                .collect();
             assert_eq!(described.len(), self.subscriber.len(), "one prefix under two hashes");
             let cached: HashSet<(u64, Vec<u32>)> = (1..=self.allocator.num_usable_blocks())
                 .filter(|&block| self.cache.contains_block(block))

@@ -137,7 +137,9 @@ async fn send_batches(
     }
     let mut sequence: u64 = 0;
     while let Some(events) = batches.recv().await {
-        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let ts = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
         let frames = vec![
             topic.clone(),
             Bytes::copy_from_slice(&sequence.to_be_bytes()),

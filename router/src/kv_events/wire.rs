@@ -146,7 +146,10 @@ mod tests {
             9109b1706172656e745f626c6f636b5f6861736807a9746f6b656e5f696473920506aa626c6f636b5f73697a6502a76c6f\
             72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c083a474797065ac426c6f636b52656d6f766564ac62\
             6c6f636b5f6861736865739107a66d656469756da347505581a474797065b0416c6c426c6f636b73436c656172656400";
-        let hex: String = encode_batch(1.5, &events, 2).iter().map(|b| format!("{b:02x}")).collect();
+        let hex: String = encode_batch(1.5, &events, 2)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         assert_eq!(hex, expected);
     }
 }
