@@ -127,13 +127,17 @@ class CacheView:
 
 
 class Subscriber:
-    """A SUB socket on the router's events endpoint, subscribed to llm-d's topic prefix `kv@`."""
+    """A SUB socket subscribed to llm-d's topic prefix `kv@`: connected to the router's endpoint, or bound
+    at `endpoint` for the router to connect to (a central indexer)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, bind: bool = False) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.SUBSCRIBE, b"kv@")
-        self.socket.connect(endpoint)
+        if bind:
+            self.socket.bind(endpoint)
+        else:
+            self.socket.connect(endpoint)
         self.topics: set[bytes] = set()
         self.last_sequence: int | None = None
         self.view = CacheView()
@@ -189,18 +193,21 @@ def events_server(default_model: Path, tmp_path_factory: pytest.TempPathFactory)
     )  # fmt: skip
     subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
     try:
-        # A PUB socket sends only to subscriptions it already knows: wait until one of our requests shows.
-        for attempt in range(20):
-            generate(server, f"Warming up the subscription, attempt {attempt}: " + "one two three " * 8)
-            if subscriber.receive(1.0):
-                break
-        else:
-            raise AssertionError("no KV-cache event reached the subscriber")
+        wait_for_first_event(server, subscriber)
         yield EventsServer(server, subscriber, port)
     finally:
         subscriber.close()
         stop_server(server)
     assert server.process.returncode == 0, server.log_path.read_text()[-3000:]
+
+
+def wait_for_first_event(server: Server, subscriber: Subscriber) -> None:
+    """A PUB socket sends only to subscriptions it already knows: waits until one of our requests shows."""
+    for attempt in range(20):
+        generate(server, f"Warming up the subscription, attempt {attempt}: " + "one two three " * 8)
+        if subscriber.receive(1.0):
+            return
+    raise AssertionError("no KV-cache event reached the subscriber")
 
 
 def generate(server: Server, prompt: str, **parameters: Any) -> None:
@@ -313,3 +320,27 @@ def test_a_shard_restart_clears_all_blocks(events_server: EventsServer) -> None:
     token_ids = tokenize(server, text)
     subscriber.receive_until(lambda: len(subscriber.view.chain(token_ids)) == len(token_ids) // BLOCK_SIZE)
     assert_view_matches_server(events_server)
+
+
+def test_the_router_connects_to_a_subscriber_that_binds(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    port = free_port()
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}", bind=True)
+    server = start_server(
+        default_model, tmp_path_factory.mktemp("kv-events-connect"),
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-topic", "kv@pod-a:8000@smol",
+    )  # fmt: skip
+    try:
+        wait_for_first_event(server, subscriber)
+        text = prompt("a central indexer")
+        generate(server, text)
+        token_ids = tokenize(server, text)
+        subscriber.receive_until(
+            lambda: len(subscriber.view.chain(token_ids)) == len(token_ids) // BLOCK_SIZE
+        )
+        assert subscriber.topics == {b"kv@pod-a:8000@smol"}
+    finally:
+        subscriber.close()
+        stop_server(server)
+    assert server.process.returncode == 0, server.log_path.read_text()[-3000:]
