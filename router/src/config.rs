@@ -5,6 +5,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{builder::BoolishValueParser, Arg, ArgAction, Parser, ValueEnum};
 
 use crate::{
+    kv_events::{KvEventsConfig, KvEventsSocket},
     scheduler::{KvAdmission, PreemptionMode},
     speculative::SpeculativeConfig,
     text::{reasoning::ReasoningFormat, tool_calls::ToolCallFormat},
@@ -138,6 +139,17 @@ pub struct Args {
     /// pins off.
     #[arg(long, env = "RILL_MAX_PINNED_KV_FRACTION", default_value_t = 0.25)]
     pub max_pinned_kv_fraction: f64,
+    /// Publish KV-cache events (vLLM's ZMQ format: blocks stored in and removed from the prefix cache, all
+    /// cleared) on this ZeroMQ endpoint, so a gateway's indexer (llm-d's precise prefix-cache scorer) knows
+    /// which prefixes this replica holds: `tcp://*:PORT` binds (subscribers connect), `tcp://HOST:PORT`
+    /// connects to a subscriber that binds. Unset: off.
+    #[arg(long, env = "RILL_KV_EVENTS_ENDPOINT")]
+    pub kv_events_endpoint: Option<String>,
+    /// The ZMQ topic of the KV-cache events; llm-d reads `kv@<pod>@<model>` and indexes the blocks under that
+    /// pod and model (in Kubernetes: `kv@$(POD_IP):PORT@MODEL`). Unset: `kv@HOSTNAME:PORT@MODEL` from
+    /// --hostname, --port and the served model name.
+    #[arg(long, env = "RILL_KV_EVENTS_TOPIC")]
+    pub kv_events_topic: Option<String>,
     /// On SIGTERM: refuse new requests (503) and let requests in flight finish for up to this many seconds.
     #[arg(long, env = "RILL_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -410,11 +422,13 @@ pub struct Config {
     /// `--responses-store-*`.
     pub responses_store: StoreBounds,
     pub lora: LoraConfig,
+    /// `--kv-events-endpoint` and `--kv-events-topic`; None = off.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 impl Config {
     pub fn from_args(args: Args) -> anyhow::Result<Self> {
-        let addr = format!("{}:{}", args.hostname, args.port)
+        let addr: SocketAddr = format!("{}:{}", args.hostname, args.port)
             .parse()
             .map_err(|e| anyhow::anyhow!("--hostname/--port do not form an address: {e}"))?;
         anyhow::ensure!(
@@ -509,7 +523,24 @@ impl Config {
                 "--lora-adapters names `{name}` twice"
             );
         }
+        let kv_events = match &args.kv_events_endpoint {
+            Some(endpoint) => Some(KvEventsConfig {
+                socket: KvEventsSocket::parse(endpoint)?,
+                topic: args
+                    .kv_events_topic
+                    .clone()
+                    .unwrap_or_else(|| format!("kv@{addr}@{served_model_name}")),
+            }),
+            None => {
+                anyhow::ensure!(
+                    args.kv_events_topic.is_none(),
+                    "--kv-events-topic needs --kv-events-endpoint"
+                );
+                None
+            }
+        };
         Ok(Self {
+            kv_events,
             served_model_name,
             model_id: args.model_id,
             addr,

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod grammar;
 pub mod http;
 pub mod kv;
+pub mod kv_events;
 pub mod lora;
 pub mod metrics;
 pub mod scheduler;

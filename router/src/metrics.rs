@@ -93,6 +93,8 @@ pub struct Metrics {
     pub prefix_cache_hit_tokens: IntCounter,
     pub prefix_cache_inserted_blocks: IntCounter,
     pub prefix_cache_evicted_blocks: IntCounter,
+    /// KV-cache events (`--kv-events-endpoint`) dropped because the queue to the socket was full.
+    pub kv_events_dropped: IntCounter,
     pub prompt_tokens_computed: IntCounter,
     pub generated_tokens: IntCounter,
     /// Preemptions by mechanism (`mode`: recompute or swap).
@@ -288,6 +290,11 @@ impl Metrics {
                 &registry,
                 "rill_prefix_cache_evicted_blocks_total",
                 "KV blocks evicted from the prefix cache to make room",
+            ),
+            kv_events_dropped: counter(
+                &registry,
+                "rill_kv_events_dropped_total",
+                "KV-cache events dropped because the queue to the events socket was full (the whole cache state follows)",
             ),
             prompt_tokens_computed: counter(
                 &registry,

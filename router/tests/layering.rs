@@ -17,6 +17,7 @@ const LAYERS: &[&str] = &[
     "telemetry",
     "metrics",
     "kv",
+    "kv_events",
     "lora",
     "speculative",
     "grammar",

@@ -19,6 +19,7 @@ use super::{
 };
 use crate::{
     kv::{KvPool, SwapPool},
+    kv_events::KvEventPublisher,
     lora::Adapters,
     metrics::{Metrics, Outcome},
     scheduler::{BatchingMode, PreemptionConfig, Scheduler, SchedulerConfig, StepPlan},
@@ -61,6 +62,8 @@ pub struct EngineCore {
     /// With `--speculative draft`: the draft model that proposes (else proposals are n-gram lookups).
     pub(super) draft: Option<DraftModel>,
     pub(super) kv: KvPool,
+    /// With `--kv-events-endpoint`: where the prefix cache's events go after each step.
+    pub(super) kv_events: Option<KvEventPublisher>,
     pub(super) queues: Queues,
     pub(super) swap: SwapPool,
     /// What the shards must do before the next forward pass: drop released sequences, copy blocks.
@@ -97,6 +100,7 @@ impl EngineCore {
             speculative: config.speculative,
             draft: None,
             kv,
+            kv_events: None,
             queues: Queues::default(),
             swap: SwapPool::new(config.preemption.num_host_blocks),
             outbox: Outbox::default(),
@@ -124,6 +128,13 @@ impl EngineCore {
         self
     }
 
+    /// Publishes the prefix cache's KV-cache events through `publisher` (`--kv-events-endpoint`).
+    pub fn with_kv_events(mut self, publisher: KvEventPublisher) -> Self {
+        self.kv.record_events();
+        self.kv_events = Some(publisher);
+        self
+    }
+
     /// The engine's stats as it publishes them (after every step and when idle), for the handles.
     pub fn stats(&self) -> watch::Receiver<EngineStats> {
         self.stats_tx.subscribe()
@@ -135,6 +146,8 @@ impl EngineCore {
             self.calibrate().await;
         }
         loop {
+            // The last step's changes to the prefix cache (at the first iteration: that it starts empty).
+            self.publish_kv_events();
             if self.queues.is_empty() {
                 // Idle: wait for a request, or for the first session pin to lapse (its blocks then count
                 // as idle cache again in the published stats).
@@ -273,6 +286,14 @@ impl EngineCore {
             }
         }
         span
+    }
+
+    /// Hands the prefix cache's events since the last call to the publisher, if any; never waits.
+    fn publish_kv_events(&mut self) {
+        if let Some(publisher) = &mut self.kv_events {
+            let kv = &mut self.kv;
+            publisher.publish(kv.take_events(), || kv.snapshot_events());
+        }
     }
 
     /// Takes the state of the pools and queues into the stats, publishes them, and sets the gauges from

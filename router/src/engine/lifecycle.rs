@@ -99,6 +99,10 @@ impl EngineCore {
                     }
                     self.kv = KvPool::new(warmup.num_blocks, self.scheduler.config.block_size, self.prefix_caching)
                         .with_max_pinned_fraction(self.max_pinned_kv_fraction);
+                    if self.kv_events.is_some() {
+                        // Subscribers learn that the old pool's blocks are gone (`AllBlocksCleared`).
+                        self.kv.record_events();
+                    }
                     self.scheduler.preemption = preemption_config(self.scheduler.preemption.mode, &warmup);
                     self.swap = SwapPool::new(warmup.num_host_blocks);
                     tracing::info!(blocks = warmup.num_blocks, "the shards are back; serving again");

@@ -19,6 +19,7 @@ use crate::{
     engine::{self, preemption_config, DraftModel, EngineConfig, EngineCore, EngineHandle, EngineTask},
     grammar::GrammarCompiler,
     kv::{self, KvPool},
+    kv_events::KvEventPublisher,
     lora::Adapters,
     metrics::Metrics,
     scheduler::{BatchingMode, SchedulerConfig},
@@ -127,6 +128,13 @@ pub async fn build(
     .with_adapters(adapters.clone());
     let core = match draft {
         Some(draft) => core.with_draft(draft),
+        None => core,
+    };
+    let core = match &config.kv_events {
+        Some(kv_events) => {
+            let publisher = KvEventPublisher::start(kv_events, block_size, metrics.kv_events_dropped.clone()).await?;
+            core.with_kv_events(publisher)
+        }
         None => core,
     };
     let handle = EngineHandle::new(

@@ -148,6 +148,7 @@ pub(super) fn test_config(
             speculative: None,
         },
         lora: Default::default(),
+        kv_events: None,
     }
 }
 

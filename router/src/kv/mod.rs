@@ -1,15 +1,18 @@
 //! KV memory owned by the router: which blocks of the shards' KV pools are free and which hold a sequence,
 //! the prefix cache of blocks already computed for token prefixes (with the session pins that keep some of
-//! them from eviction for a while), and the host swap pool that preempted sequences' K/V are copied to.
+//! them from eviction for a while, and the KV-cache events it records for gateways), and the host swap
+//! pool that preempted sequences' K/V are copied to.
 //! Plain data structures, no I/O; the scheduler consults them and the engine loop applies its plans to them.
 
 mod block_allocator;
+mod events;
 mod pins;
 mod pool;
 mod radix;
 mod swap;
 
 pub use block_allocator::BlockAllocator;
+pub use events::KvEvent;
 pub use pins::PinKey;
 pub use pool::{CacheActivity, KvPool, PinOutcome};
 pub use radix::{PrefixMatch, RadixCache};

@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use super::{
     pins::{PinKey, PinTable},
-    BlockAllocator, PrefixMatch, RadixCache,
+    BlockAllocator, KvEvent, PrefixMatch, RadixCache,
 };
 
 /// What one operation did to the cache, for the metrics.
@@ -76,6 +76,24 @@ impl KvPool {
     pub fn with_max_pinned_fraction(mut self, fraction: f64) -> Self {
         self.max_pinned_blocks = (f64::from(self.num_usable_blocks()) * fraction) as usize;
         self
+    }
+
+    /// Records the prefix cache's KV-cache events from now on (see [`RadixCache::record_events`]); without a
+    /// prefix cache there are none.
+    pub fn record_events(&mut self) {
+        if let Some(cache) = self.cache.as_mut() {
+            cache.record_events();
+        }
+    }
+
+    /// The KV-cache events since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.cache.as_mut().map(RadixCache::take_events).unwrap_or_default()
+    }
+
+    /// Events that bring a subscriber to the prefix cache's state now (see [`RadixCache::snapshot_events`]).
+    pub fn snapshot_events(&self) -> Vec<KvEvent> {
+        self.cache.as_ref().map(RadixCache::snapshot_events).unwrap_or_default()
     }
 
     /// The most blocks pins may keep at once (0 without a prefix cache).
@@ -377,6 +395,41 @@ mod tests {
         pool.release(&evicting);
         pool.check_invariants();
         assert_eq!(pool.num_free_blocks(), 4);
+    }
+
+    #[test]
+    fn events_say_blocks_left_the_cache_before_an_allocation_reuses_them() {
+        let mut pool = KvPool::new(4, 2, true); // 3 usable blocks of 2 tokens
+        pool.record_events();
+        let mut activity = CacheActivity::default();
+        let blocks = pool.allocate(3, &mut activity).expect("free");
+        pool.cache(0, &[1, 2, 3, 4, 5, 6], &blocks, &mut activity);
+        pool.release(&blocks);
+        let events = pool.take_events();
+        let [KvEvent::AllCleared, KvEvent::Stored { block_hashes, .. }] = &events[..] else {
+            panic!("cleared, then the sequence's blocks stored: {events:?}");
+        };
+        let reused = pool.allocate(2, &mut activity).expect("evicts");
+        let mut expected = blocks[1..].to_vec();
+        let mut got = reused.clone();
+        expected.sort_unstable();
+        got.sort_unstable();
+        assert_eq!(got, expected, "the two leaves of the chain are evicted and reused");
+        assert_eq!(
+            pool.take_events(),
+            vec![KvEvent::Removed {
+                block_hashes: vec![block_hashes[2], block_hashes[1]]
+            }]
+        );
+        pool.release(&reused);
+        pool.check_invariants();
+
+        let mut uncached = KvPool::new(4, 2, false);
+        uncached.record_events();
+        let blocks = uncached.allocate(3, &mut activity).expect("free");
+        uncached.cache(0, &[1, 2, 3, 4, 5, 6], &blocks, &mut activity);
+        assert_eq!(uncached.take_events(), vec![], "no prefix cache, no events");
+        assert_eq!(uncached.snapshot_events(), vec![]);
     }
 
     fn pin_key(name: &str) -> PinKey {

@@ -33,6 +33,8 @@ use std::{
     sync::Arc,
 };
 
+use super::events::{block_hash, KvEvent};
+
 /// Index of a node in the arena.
 type NodeId = usize;
 
@@ -52,6 +54,8 @@ struct Node {
     tokens: Arc<[u32]>,
     /// The KV block holding these tokens' K/V; unique across the whole tree.
     block: u32,
+    /// The block's name in KV-cache events: [`block_hash`] of its parent's (or its salt) and its tokens.
+    hash: u64,
     /// The namespace of the subtree the node belongs to.
     salt: u64,
     /// `None` for a child of the salt's root.
@@ -121,6 +125,8 @@ pub struct RadixCache {
     candidates: BinaryHeap<Reverse<(u64, NodeId)>>,
     /// The logical LRU clock: advanced by every match and insert.
     clock: u64,
+    /// The KV-cache events since the last [`take_events`](Self::take_events); None: not recorded.
+    events: Option<Vec<KvEvent>>,
 }
 
 impl RadixCache {
@@ -139,7 +145,38 @@ impl RadixCache {
             num_pinned: 0,
             candidates: BinaryHeap::new(),
             clock: 0,
+            events: None,
         }
+    }
+
+    /// Records KV-cache events from now on, starting with [`KvEvent::AllCleared`] (call it on an empty
+    /// cache: subscribers then forget whatever an earlier cache held).
+    pub fn record_events(&mut self) {
+        debug_assert_eq!(self.num_cached_blocks, 0, "recording starts from an empty cache");
+        self.events = Some(vec![KvEvent::AllCleared]);
+    }
+
+    /// The events recorded since the last call, in order (none when not recording).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Events that bring a subscriber that missed some to the cache's state now: [`KvEvent::AllCleared`],
+    /// then one [`KvEvent::Stored`] per cached block, every parent before its children. O(n).
+    pub fn snapshot_events(&self) -> Vec<KvEvent> {
+        let mut events = vec![KvEvent::AllCleared];
+        let mut stack: Vec<NodeId> = self.roots.values().flat_map(|children| children.values().copied()).collect();
+        while let Some(id) = stack.pop() {
+            let node = self.node(id);
+            events.push(KvEvent::Stored {
+                block_hashes: vec![node.hash],
+                parent_block_hash: node.parent.map(|parent| self.node(parent).hash),
+                token_ids: node.tokens.to_vec(),
+                namespace: node.salt,
+            });
+            stack.extend(node.children.values().copied());
+        }
+        events
     }
 
     /// Tokens per block, i.e. per edge of the tree.
@@ -197,7 +234,12 @@ impl RadixCache {
         let now = self.clock;
         let mut added = Vec::new();
         let mut parent = None;
-        for (chunk, &block) in tokens.chunks_exact(self.block_size).zip(blocks) {
+        // The event: new nodes have no children, so once one is added the rest of the path is new too, and
+        // the added blocks form one chain below the first one's parent.
+        let mut block_hashes = Vec::new();
+        let mut parent_block_hash = None;
+        let mut first_added = 0;
+        for (i, (chunk, &block)) in tokens.chunks_exact(self.block_size).zip(blocks).enumerate() {
             let id = match self.child(salt, parent, chunk) {
                 Some(id) => {
                     self.node_mut(id).last_access = now;
@@ -207,14 +249,29 @@ impl RadixCache {
                 // cannot be reached from the root through blocks that hold their K/V.
                 None if block == 0 || self.contains_block(block) => break,
                 None => {
+                    if added.is_empty() {
+                        first_added = i;
+                        parent_block_hash = parent.map(|parent| self.node(parent).hash);
+                    }
                     added.push(block);
-                    self.add_node(salt, parent, chunk, block, now)
+                    let id = self.add_node(salt, parent, chunk, block, now);
+                    block_hashes.push(self.node(id).hash);
+                    id
                 }
             };
             parent = Some(id);
         }
         if let Some(last) = parent {
             self.push_if_leaf(last);
+        }
+        if let (Some(events), false) = (self.events.as_mut(), added.is_empty()) {
+            let added_tokens = first_added * self.block_size..(first_added + added.len()) * self.block_size;
+            events.push(KvEvent::Stored {
+                block_hashes,
+                parent_block_hash,
+                token_ids: tokens[added_tokens].to_vec(),
+                namespace: salt,
+            });
         }
         added
     }
@@ -226,6 +283,7 @@ impl RadixCache {
     /// counts the held or pinned leaves found on the way.
     pub fn evict(&mut self, num_blocks: usize) -> Vec<u32> {
         let mut evicted = Vec::new();
+        let mut removed_hashes = Vec::new();
         let mut skipped = Vec::new();
         while evicted.len() < num_blocks {
             let Some(Reverse((stamp, id))) = self.candidates.pop() else {
@@ -240,9 +298,15 @@ impl RadixCache {
                 continue;
             }
             evicted.push(node.block);
+            removed_hashes.push(node.hash);
             if let Some(parent) = self.remove_leaf(id) {
                 self.push_if_leaf(parent);
             }
+        }
+        if let (Some(events), false) = (self.events.as_mut(), removed_hashes.is_empty()) {
+            events.push(KvEvent::Removed {
+                block_hashes: removed_hashes,
+            });
         }
         // A node may have been pushed twice (it became a leaf again after a child came and went).
         skipped.sort_unstable();
@@ -479,10 +543,12 @@ impl RadixCache {
     }
 
     fn add_node(&mut self, salt: u64, parent: Option<NodeId>, tokens: &[u32], block: u32, now: u64) -> NodeId {
+        let hash = block_hash(parent.map_or(salt, |parent| self.node(parent).hash), tokens);
         let tokens: Arc<[u32]> = tokens.into();
         let node = Node {
             tokens: tokens.clone(),
             block,
+            hash,
             salt,
             parent,
             children: HashMap::new(),
@@ -578,6 +644,138 @@ mod tests {
 
     use super::*;
     use crate::kv::BlockAllocator;
+
+    /// The cache as a subscriber of its events rebuilds it: block hash -> (parent hash, tokens, namespace).
+    type Subscriber = HashMap<u64, (Option<u64>, Vec<u32>, u64)>;
+
+    /// Applies one event as a subscriber would, checking it is consistent with what came before.
+    fn follow(subscriber: &mut Subscriber, event: KvEvent, block_size: usize) {
+        match event {
+            KvEvent::Stored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                namespace,
+            } => {
+                assert_eq!(token_ids.len(), block_hashes.len() * block_size);
+                assert!(!block_hashes.is_empty());
+                let mut parent = parent_block_hash;
+                if let Some(parent) = parent {
+                    assert_eq!(subscriber[&parent].2, namespace, "a chain below another namespace");
+                }
+                for (hash, tokens) in block_hashes.into_iter().zip(token_ids.chunks(block_size)) {
+                    assert!(parent.is_none_or(|parent| subscriber.contains_key(&parent)), "unknown parent");
+                    assert!(subscriber.insert(hash, (parent, tokens.to_vec(), namespace)).is_none(), "stored twice");
+                    parent = Some(hash);
+                }
+            }
+            KvEvent::Removed { block_hashes } => {
+                for hash in block_hashes {
+                    assert!(subscriber.remove(&hash).is_some(), "removed a block never stored");
+                    assert!(
+                        subscriber.values().all(|(parent, ..)| *parent != Some(hash)),
+                        "removed before its children"
+                    );
+                }
+            }
+            KvEvent::AllCleared => subscriber.clear(),
+        }
+    }
+
+    /// A subscriber's block: its namespace and its whole prefix (its ancestors' tokens, then its own).
+    fn prefix(subscriber: &Subscriber, mut hash: u64) -> (u64, Vec<u32>) {
+        let mut chunks = Vec::new();
+        let namespace = subscriber[&hash].2;
+        loop {
+            let (parent, tokens, _) = &subscriber[&hash];
+            chunks.push(tokens.clone());
+            match parent {
+                Some(parent) => hash = *parent,
+                None => break,
+            }
+        }
+        (namespace, chunks.into_iter().rev().flatten().collect())
+    }
+
+    fn followed(events: Vec<KvEvent>, block_size: usize) -> Subscriber {
+        let mut subscriber = Subscriber::new();
+        for event in events {
+            follow(&mut subscriber, event, block_size);
+        }
+        subscriber
+    }
+
+    #[test]
+    fn stored_events_chain_new_blocks_below_their_cached_parent() {
+        let mut cache = RadixCache::new(2);
+        cache.record_events();
+        assert_eq!(cache.take_events(), vec![KvEvent::AllCleared]);
+        assert_eq!(cache.take_events(), vec![], "taken");
+        // Three full blocks: the partial fourth is not cached.
+        cache.insert(0, &[1, 2, 3, 4, 5, 6, 7], &[10, 11, 12, 13]);
+        let (h1, h2, h3) = (
+            block_hash(0, &[1, 2]),
+            block_hash(block_hash(0, &[1, 2]), &[3, 4]),
+            block_hash(block_hash(block_hash(0, &[1, 2]), &[3, 4]), &[5, 6]),
+        );
+        let stored = |block_hashes: Vec<u64>, parent_block_hash, token_ids: Vec<u32>, namespace| KvEvent::Stored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            namespace,
+        };
+        assert_eq!(
+            cache.take_events(),
+            vec![stored(vec![h1, h2, h3], None, vec![1, 2, 3, 4, 5, 6], 0)]
+        );
+        // A branch: only the new blocks, below the last cached one; a path already cached says nothing.
+        cache.insert(0, &[1, 2, 3, 4, 8, 8, 9, 9], &[20, 21, 22, 23]);
+        cache.insert(0, &[1, 2, 3, 4], &[20, 21]);
+        let h4 = block_hash(h2, &[8, 8]);
+        assert_eq!(
+            cache.take_events(),
+            vec![stored(vec![h4, block_hash(h4, &[9, 9])], Some(h2), vec![8, 8, 9, 9], 0)]
+        );
+        // Another namespace: other hashes for the same tokens.
+        cache.insert(5, &[1, 2], &[40]);
+        assert_eq!(cache.take_events(), vec![stored(vec![block_hash(5, &[1, 2])], None, vec![1, 2], 5)]);
+        assert_ne!(block_hash(5, &[1, 2]), h1);
+        // A window-released (null) entry stops the chain.
+        cache.insert(7, &[1, 2, 3, 4], &[0, 41]);
+        assert_eq!(cache.take_events(), vec![]);
+        cache.check_invariants();
+    }
+
+    #[test]
+    fn eviction_removes_leaves_before_parents_and_the_snapshot_rebuilds_the_tree() {
+        let mut cache = RadixCache::new(2);
+        cache.record_events();
+        cache.insert(0, &[1, 1, 2, 2, 3, 3], &[10, 11, 12]);
+        cache.insert(0, &[1, 1, 4, 4], &[10, 20]);
+        cache.insert(3, &[1, 1], &[30]);
+        let_go(&mut cache, &[10, 11, 12, 20, 30]);
+        let mut subscriber = followed(cache.take_events(), 2);
+        assert_eq!(subscriber.len(), 5);
+        assert_eq!(followed(cache.snapshot_events(), 2), subscriber);
+        let evicted = cache.evict(3);
+        assert_eq!(evicted, vec![12, 11, 20], "LRU leaves, a parent once its child is gone");
+        let events = cache.take_events();
+        let KvEvent::Removed { block_hashes } = &events[..] else {
+            panic!("one Removed event: {events:?}")
+        };
+        let h11 = block_hash(0, &[1, 1]);
+        let h22 = block_hash(h11, &[2, 2]);
+        assert_eq!(
+            block_hashes,
+            &[block_hash(h22, &[3, 3]), h22, block_hash(h11, &[4, 4])]
+        );
+        for event in events {
+            follow(&mut subscriber, event, 2);
+        }
+        assert_eq!(subscriber.len(), 2);
+        assert_eq!(followed(cache.snapshot_events(), 2), subscriber);
+        cache.check_invariants();
+    }
 
     /// The sequences holding `blocks` let go of them.
     fn let_go(cache: &mut RadixCache, blocks: &[u32]) {
@@ -784,10 +982,13 @@ mod tests {
         pins: Vec<Vec<u32>>,
         /// How often the interesting cases happened, so the test proves it reached them.
         stats: Stats,
+        /// The cache as its events describe it.
+        subscriber: Subscriber,
     }
 
     #[derive(Debug, Default)]
     struct Stats {
+        num_events_followed: usize,
         num_hit_tokens: usize,
         num_evicted_to_allocate: usize,
         num_allocation_failures: usize,
@@ -964,6 +1165,26 @@ mod tests {
             self.allocator.free(&evicted).expect("the cache held them");
         }
 
+        /// Follows the cache's events: what they describe is exactly what the cache holds, each block with
+        /// its namespace and whole prefix; every `snapshot_every` calls, its snapshot describes the same.
+        fn follow_events(&mut self, snapshot_every: usize) {
+            for event in self.cache.take_events() {
+                follow(&mut self.subscriber, event, self.block_size);
+            }
+            let described: HashSet<(u64, Vec<u32>)> =
+                self.subscriber.keys().map(|&hash| prefix(&self.subscriber, hash)).collect();
+            assert_eq!(described.len(), self.subscriber.len(), "one prefix under two hashes");
+            let cached: HashSet<(u64, Vec<u32>)> = (1..=self.allocator.num_usable_blocks())
+                .filter(|&block| self.cache.contains_block(block))
+                .map(|block| self.contents[&block].clone())
+                .collect();
+            assert_eq!(described, cached);
+            self.stats.num_events_followed += 1;
+            if self.stats.num_events_followed.is_multiple_of(snapshot_every) {
+                assert_eq!(followed(self.cache.snapshot_events(), self.block_size), self.subscriber);
+            }
+        }
+
         fn check(&self) {
             self.allocator.check_invariants();
             self.cache.check_invariants();
@@ -1033,7 +1254,9 @@ mod tests {
             contents: HashMap::new(),
             pins: Vec::new(),
             stats: Stats::default(),
+            subscriber: Subscriber::new(),
         };
+        world.cache.record_events();
         for _ in 0..num_operations {
             let roll = rng.random_range(0..100);
             let salt = u64::from(rng.random_range(0..10) == 0);
@@ -1084,6 +1307,7 @@ mod tests {
                 world.evict(rng.random_range(0..4));
             }
             world.check();
+            world.follow_events(1000);
         }
         let stats = &world.stats;
         assert!(
