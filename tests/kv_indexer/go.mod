@@ -1,6 +1,6 @@
 module rill.dev/tests/kv_indexer
 
-go 1.26.8
+go 1.25.0
 
 require (
 	github.com/llm-d/llm-d-kv-cache v0.9.0

@@ -92,7 +92,6 @@ func (a *countingAdapter) ShardingKey(msg *kvevents.RawMessage) string {
 	return a.inner.ShardingKey(msg)
 }
 
-//nolint:gocritic // the interface's signature
 func (a *countingAdapter) ParseMessage(msg *kvevents.RawMessage) (string, string, kvevents.EventBatch, error) {
 	pod, model, batch, err := a.inner.ParseMessage(msg)
 	a.mu.Lock()
