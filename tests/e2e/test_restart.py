@@ -1,4 +1,5 @@
-"""End to end: with `--restart-shards`, a killed shard fails the requests in flight, `/ready` answers 503
+"""End to end: with `--restart-shards`, a killed shard fails the requests in flight (one killed while idle fails
+none: the idle router finds it restarted and warms it up), `/ready` answers 503
 naming the shards while `/health` stays 200, the shard is restarted, and the same router serves new requests
 again; without it the launcher exits non-zero (tests/test_launcher.py)."""
 
@@ -65,6 +66,35 @@ def test_a_killed_shard_is_restarted_and_serving_resumes(
         assert again.status_code == 200, again.text
         assert len(re.findall(r"shard-0 has pid (\d+)", server.log_path.read_text())) == 2
         assert server.info()["kv"]["used_blocks"] == 0 or server.wait_idle()["kv"]["used_blocks"] == 0
+    finally:
+        stop_server(server)
+    assert server.process.returncode == 0
+
+
+def test_a_shard_killed_while_idle_is_warmed_up_before_the_next_request(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Nothing runs when the shard dies, so no request fails to reveal it: the idle router's health checks
+    find the restarted shard unwarmed, `/ready` stays 503 until it is warmed up, and then the same prompt
+    gets the same answer (the new pool and the prefix cache start empty)."""
+    server = start_server(default_model, tmp_path_factory.mktemp("idle-restart"), "--restart-shards")
+    body = {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 8}}
+    try:
+        before = requests.post(f"{server.url}/generate", json=body, timeout=120)
+        assert before.status_code == 200, before.text
+        server.wait_idle()
+        pid = int(re.findall(r"shard-0 has pid (\d+)", server.log_path.read_text())[-1])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while "the shards are back; serving again" not in server.log_path.read_text():
+            assert server.process.poll() is None, server.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, server.log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        assert "the shards restarted; warming them up again" in server.log_path.read_text()
+        assert requests.get(f"{server.url}/ready", timeout=5).status_code == 200
+        after = requests.post(f"{server.url}/generate", json=body, timeout=120)
+        assert after.status_code == 200, after.text
+        assert after.json()["generated_text"] == before.json()["generated_text"]
     finally:
         stop_server(server)
     assert server.process.returncode == 0

@@ -497,12 +497,13 @@ class ModelRunner:
         self.adapter_by_id.clear()
         self.history.clear()
 
-    def health(self) -> None:
-        """A tiny device op: raises if the device is unusable."""
+    def health(self) -> bool:
+        """A tiny device op: raises if the device is unusable. Returns whether Warmup has run."""
         probe = torch.ones(1, device=self.device) + 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         assert probe.item() == 2.0
+        return self.kv_cache is not None
 
 
 def _load_kernels(ops: KernelOps) -> str | None:

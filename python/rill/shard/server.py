@@ -156,8 +156,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self, request: shard_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.HealthResponse:
         # Not on the model thread: Health answers while a forward holds it (a one-element op, no OpenMP team).
-        await asyncio.to_thread(self.runner.health)
-        return shard_pb2.HealthResponse()
+        warmed_up = await asyncio.to_thread(self.runner.health)
+        return shard_pb2.HealthResponse(warmed_up=warmed_up)
 
     async def Warmup(
         self, request: shard_pb2.WarmupRequest, context: grpc.aio.ServicerContext

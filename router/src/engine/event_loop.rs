@@ -14,8 +14,8 @@ use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
 use super::{
-    draft::DraftModel, outbox::Outbox, plan::PrefixHits, queues::Queues, request::Sequence, EngineError, EngineStats,
-    NewRequest,
+    draft::DraftModel, lifecycle::IDLE_SHARD_CHECK, outbox::Outbox, plan::PrefixHits, queues::Queues,
+    request::Sequence, EngineError, EngineStats, NewRequest,
 };
 use crate::{
     kv::{KvPool, SwapPool},
@@ -150,7 +150,7 @@ impl EngineCore {
             self.publish_kv_events();
             if self.queues.is_empty() {
                 // Idle: wait for a request, or for the first session pin to lapse (its blocks then count
-                // as idle cache again in the published stats).
+                // as idle cache again in the published stats), checking the shards now and then.
                 let next_pin_deadline = self.kv.next_pin_deadline();
                 let pin_lapses = async move {
                     match next_pin_deadline {
@@ -164,6 +164,7 @@ impl EngineCore {
                         None => return,
                     },
                     () = pin_lapses => {}
+                    () = tokio::time::sleep(IDLE_SHARD_CHECK) => self.recover_restarted_shards().await,
                 }
             }
             while let Ok(new) = self.inbox.try_recv() {

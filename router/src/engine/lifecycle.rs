@@ -10,6 +10,9 @@ use crate::{
     shard::{pb, ShardError},
 };
 
+/// How often an idle engine asks the shards whether they restarted.
+pub const IDLE_SHARD_CHECK: Duration = Duration::from_secs(1);
+
 /// The preemption settings for `mode` given the shards' Warmup answer.
 pub fn preemption_config(mode: PreemptionMode, warmup: &pb::WarmupResponse) -> PreemptionConfig {
     PreemptionConfig {
@@ -76,6 +79,17 @@ impl EngineCore {
             self.shards.load_adapter(request).await?;
         }
         Ok(())
+    }
+
+    /// Shards that restarted (`--restart-shards`) answer health checks but hold no pool until they are
+    /// warmed up: found while idle or after a failed forward, they are recovered at once, so `/ready` and
+    /// the next request do not wait for a request to fail first. A shard that does not answer is left to
+    /// the failing forward's path (`fail_all`).
+    pub(super) async fn recover_restarted_shards(&mut self) {
+        if let Ok(false) = self.shards.health().await {
+            tracing::warn!("the shards restarted; warming them up again");
+            self.recover().await;
+        }
     }
 
     /// Waits until the shards answer again (the launcher restarts them with `--restart-shards`), warms

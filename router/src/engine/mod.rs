@@ -174,8 +174,8 @@ impl EngineHandle {
         !self.inbox.is_closed()
     }
 
-    /// Whether the engine can serve: its task runs and every shard answers a health check within 2 s.
-    /// The error names the reason.
+    /// Whether the engine can serve: its task runs and every shard answers a health check within 2 s,
+    /// warmed up. The error names the reason.
     pub async fn health(&self) -> Result<(), EngineError> {
         if !self.is_running() {
             return Err(EngineError::Stopped);
@@ -185,7 +185,10 @@ impl EngineHandle {
                 "the shards did not answer a health check within 2 s".into(),
             )),
             Ok(Err(e)) => Err(EngineError::Shard(e.to_string())),
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(false)) => Err(EngineError::Shard(
+                "the shards restarted and are not warmed up yet".into(),
+            )),
+            Ok(Ok(true)) => Ok(()),
         }
     }
 

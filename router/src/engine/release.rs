@@ -98,6 +98,9 @@ impl EngineCore {
             }
             self.publish_stats();
             self.recover().await;
+        } else {
+            // The shards answer: a restart (no pool yet, so the forward was refused) is recovered now.
+            self.recover_restarted_shards().await;
         }
     }
 

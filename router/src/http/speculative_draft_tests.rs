@@ -167,7 +167,7 @@ impl ShardClient for BrokenDraft {
         .boxed()
     }
 
-    fn health(&self) -> BoxFuture<'_, Result<(), ShardError>> {
+    fn health(&self) -> BoxFuture<'_, Result<bool, ShardError>> {
         self.fake.health()
     }
 

@@ -48,10 +48,10 @@ fn encode_event(out: &mut Vec<u8>, event: &KvEvent, block_size: usize) {
             map_len(out, if is_salted { 9 } else { 8 });
             field_str(out, "type", "BlockStored");
             key(out, "block_hashes");
-            uints(out, block_hashes.iter().copied());
+            hashes(out, block_hashes);
             key(out, "parent_block_hash");
             match parent_block_hash {
-                Some(hash) => encode::write_uint(out, *hash).map(drop).expect(WRITE),
+                Some(hash) => encode::write_u64(out, *hash).expect(WRITE),
                 None => encode::write_nil(out).expect(WRITE),
             }
             key(out, "token_ids");
@@ -78,7 +78,7 @@ fn encode_event(out: &mut Vec<u8>, event: &KvEvent, block_size: usize) {
             map_len(out, 3);
             field_str(out, "type", "BlockRemoved");
             key(out, "block_hashes");
-            uints(out, block_hashes.iter().copied());
+            hashes(out, block_hashes);
             field_str(out, "medium", MEDIUM);
         }
         KvEvent::AllCleared => {
@@ -107,6 +107,15 @@ fn field_str(out: &mut Vec<u8>, name: &str, value: &str) {
     encode::write_str(out, value).expect(WRITE);
 }
 
+/// Block hashes always as msgpack's 8-byte uint64: llm-d-kv-cache v0.9.0 drops a whole batch holding a hash
+/// in a smaller encoding ("unsupported hash type"), which a hash below 2^32 would otherwise get.
+fn hashes(out: &mut Vec<u8>, values: &[u64]) {
+    array_len(out, values.len());
+    for &value in values {
+        encode::write_u64(out, value).expect(WRITE);
+    }
+}
+
 fn uints(out: &mut Vec<u8>, values: impl ExactSizeIterator<Item = u64>) {
     array_len(out, values.len());
     for value in values {
@@ -122,34 +131,46 @@ mod tests {
     fn a_batch_is_encoded_byte_for_byte_as_msgspec_encodes_vllms_structs() {
         let events = [
             KvEvent::Stored {
-                block_hashes: vec![7, u64::MAX],
+                block_hashes: vec![0x1_0000_0007, u64::MAX],
                 parent_block_hash: None,
                 token_ids: vec![1, 2, 3, 4],
                 namespace: 255,
             },
             KvEvent::Stored {
-                block_hashes: vec![9],
-                parent_block_hash: Some(7),
+                block_hashes: vec![0x1_0000_0009],
+                parent_block_hash: Some(0x1_0000_0007),
                 token_ids: vec![5, 6],
                 namespace: 255,
             },
-            KvEvent::Removed { block_hashes: vec![7] },
+            KvEvent::Removed {
+                block_hashes: vec![0x1_0000_0007],
+            },
             KvEvent::AllCleared,
         ];
         // msgspec.msgpack.encode(KVEventBatch(ts=1.5, events=[...], data_parallel_rank=0)) with vLLM's
         // structs (EventBatch array_like, events tagged maps), the same events: the salted first chain
         // carries extra_keys [("00000000000000ff",), None]; a chain below a parent carries none.
-        let expected = "93cb3ff80000000000009489a474797065ab426c6f636b53746f726564ac626c6f636b5f6861736865739207cf\
-            ffffffffffffffffb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa626c6f636b5f\
-            73697a6502a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b6579739291\
-            b030303030303030303030303030306666c088a474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573\
-            9109b1706172656e745f626c6f636b5f6861736807a9746f6b656e5f696473920506aa626c6f636b5f73697a6502a76c6f\
-            72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c083a474797065ac426c6f636b52656d6f766564ac62\
-            6c6f636b5f6861736865739107a66d656469756da347505581a474797065b0416c6c426c6f636b73436c656172656400";
+        let expected =
+            "93cb3ff80000000000009489a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cf00000001\
+            00000007cfffffffffffffffffb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f6964739401020304aa\
+            626c6f636b5f73697a6502a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa6578747261\
+            5f6b6579739291b030303030303030303030303030306666c088a474797065ab426c6f636b53746f726564ac626c6f63\
+            6b5f68617368657391cf0000000100000009b1706172656e745f626c6f636b5f68617368cf0000000100000007a9746f\
+            6b656e5f696473920506aa626c6f636b5f73697a6502a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f\
+            6e616d65c083a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf0000000100000007a6\
+            6d656469756da347505581a474797065b0416c6c426c6f636b73436c656172656400";
         let hex: String = encode_batch(1.5, &events, 2)
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
         assert_eq!(hex, expected);
+    }
+
+    #[test]
+    fn a_small_block_hash_is_still_written_as_a_uint64() {
+        let removed = [KvEvent::Removed { block_hashes: vec![7] }];
+        let payload = encode_batch(1.5, &removed, 2);
+        let hash = [0xcf, 0, 0, 0, 0, 0, 0, 0, 7];
+        assert!(payload.windows(hash.len()).any(|w| w == hash), "{payload:02x?}");
     }
 }

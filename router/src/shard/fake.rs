@@ -281,8 +281,8 @@ impl ShardClient for FakeShard {
         async move { Ok(info) }.boxed()
     }
 
-    fn health(&self) -> BoxFuture<'_, Result<(), ShardError>> {
-        async { Ok(()) }.boxed()
+    fn health(&self) -> BoxFuture<'_, Result<bool, ShardError>> {
+        async { Ok(true) }.boxed()
     }
 
     fn warmup(&self, _: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>> {

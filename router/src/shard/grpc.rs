@@ -158,13 +158,13 @@ impl ShardClient for GrpcShards {
         .boxed()
     }
 
-    fn health(&self) -> BoxFuture<'_, Result<(), ShardError>> {
+    fn health(&self) -> BoxFuture<'_, Result<bool, ShardError>> {
         async move {
             self.broadcast("Health", SMALL_CALL_DEADLINE, |mut c| async move {
                 c.health(pb::HealthRequest {}).await
             })
             .await
-            .map(|_| ())
+            .map(|health| health.warmed_up)
         }
         .boxed()
     }

@@ -31,8 +31,9 @@ pub enum ShardError {
 /// What the engine needs from the shards. Every call goes to every rank; the answer is rank 0's.
 pub trait ShardClient: Send + Sync {
     fn info(&self) -> BoxFuture<'_, Result<pb::InfoResponse, ShardError>>;
-    /// A cheap check that every rank answers.
-    fn health(&self) -> BoxFuture<'_, Result<(), ShardError>>;
+    /// A cheap check that every rank answers; whether the shards are warmed up (false after a restart:
+    /// every rank restarts together, so rank 0 speaks for all).
+    fn health(&self) -> BoxFuture<'_, Result<bool, ShardError>>;
     fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, Result<pb::WarmupResponse, ShardError>>;
     /// One forward pass: `Decode` when every sequence computes one token, else `Prefill`.
     fn forward(

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14shard/v1/shard.proto\x12\rrill.shard.v1\"\r\n\x0bInfoRequest\"\x8e\x02\n\x0cInfoResponse\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x17\n\x0fsliding_windows\x18\n \x03(\r\x12\x11\n\tmax_loras\x18\x0b \x01(\r\x12\x15\n\rmax_lora_rank\x18\x0c \x01(\r\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\xb2\x01\n\rWarmupRequest\x12\x18\n\x10max_batch_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x1b\n\x13max_total_kv_tokens\x18\x03 \x01(\x04\x12\x1d\n\x10swap_space_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\rB\x13\n\x11_swap_space_bytes\"\xcb\x01\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x02 \x01(\r\x12\x1e\n\x16swap_seconds_per_block\x18\x03 \x01(\x02\x12!\n\x19prefill_seconds_per_token\x18\x04 \x01(\x02\x12\x17\n\x0f\x62ytes_per_block\x18\x05 \x01(\x04\x12\x16\n\x0ekv_pool_reason\x18\x06 \x01(\t\x12\x18\n\x10swap_pool_reason\x18\x07 \x01(\t\"\xae\x03\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.rill.shard.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x11\n\ttypical_p\x18\x0b \x01(\x02\x12\x16\n\x0etop_n_logprobs\x18\x0c \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\r \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x0e \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x8c\x02\n\rSequenceChunk\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12-\n\x06params\x18\x06 \x01(\x0b\x32\x1d.rill.shard.v1.SamplingParams\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x08 \x03(\x07\x12\x12\n\nadapter_id\x18\t \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\r\"5\n\tBlockCopy\x12\x14\n\x0c\x64\x65vice_block\x18\x01 \x01(\r\x12\x12\n\nhost_block\x18\x02 \x01(\r\"\xcc\x01\n\x0e\x46orwardRequest\x12\x14\n\x0creleased_ids\x18\x01 \x03(\x04\x12/\n\tsequences\x18\x02 \x03(\x0b\x32\x1c.rill.shard.v1.SequenceChunk\x12*\n\x08swap_out\x18\x03 \x03(\x0b\x32\x18.rill.shard.v1.BlockCopy\x12)\n\x07swap_in\x18\x04 \x03(\x0b\x32\x18.rill.shard.v1.BlockCopy\x12\x1c\n\x14unloaded_adapter_ids\x18\x05 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"l\n\nGeneration\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.rill.shard.v1.TopLogprob\"Z\n\x0f\x46orwardResponse\x12.\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x19.rill.shard.v1.Generation\x12\x17\n\x0f\x66orward_time_us\x18\x02 \x01(\x04\"\x13\n\x11\x43learCacheRequest\"\x14\n\x12\x43learCacheResponse\"6\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\";\n\x13LoadAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t2\x92\x04\n\x05Shard\x12?\n\x04Info\x12\x1a.rill.shard.v1.InfoRequest\x1a\x1b.rill.shard.v1.InfoResponse\x12\x45\n\x06Health\x12\x1c.rill.shard.v1.HealthRequest\x1a\x1d.rill.shard.v1.HealthResponse\x12\x45\n\x06Warmup\x12\x1c.rill.shard.v1.WarmupRequest\x1a\x1d.rill.shard.v1.WarmupResponse\x12H\n\x07Prefill\x12\x1d.rill.shard.v1.ForwardRequest\x1a\x1e.rill.shard.v1.ForwardResponse\x12G\n\x06\x44\x65\x63ode\x12\x1d.rill.shard.v1.ForwardRequest\x1a\x1e.rill.shard.v1.ForwardResponse\x12Q\n\nClearCache\x12 .rill.shard.v1.ClearCacheRequest\x1a!.rill.shard.v1.ClearCacheResponse\x12T\n\x0bLoadAdapter\x12!.rill.shard.v1.LoadAdapterRequest\x1a\".rill.shard.v1.LoadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14shard/v1/shard.proto\x12\rrill.shard.v1\"\r\n\x0bInfoRequest\"\x8e\x02\n\x0cInfoResponse\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x17\n\x0fsliding_windows\x18\n \x03(\r\x12\x11\n\tmax_loras\x18\x0b \x01(\r\x12\x15\n\rmax_lora_rank\x18\x0c \x01(\r\"\x0f\n\rHealthRequest\"#\n\x0eHealthResponse\x12\x11\n\twarmed_up\x18\x01 \x01(\x08\"\xb2\x01\n\rWarmupRequest\x12\x18\n\x10max_batch_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x1b\n\x13max_total_kv_tokens\x18\x03 \x01(\x04\x12\x1d\n\x10swap_space_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\rB\x13\n\x11_swap_space_bytes\"\xcb\x01\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x02 \x01(\r\x12\x1e\n\x16swap_seconds_per_block\x18\x03 \x01(\x02\x12!\n\x19prefill_seconds_per_token\x18\x04 \x01(\x02\x12\x17\n\x0f\x62ytes_per_block\x18\x05 \x01(\x04\x12\x16\n\x0ekv_pool_reason\x18\x06 \x01(\t\x12\x18\n\x10swap_pool_reason\x18\x07 \x01(\t\"\xae\x03\n\x0eSamplingParams\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.rill.shard.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\n \x01(\x02\x12\x11\n\ttypical_p\x18\x0b \x01(\x02\x12\x16\n\x0etop_n_logprobs\x18\x0c \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\r \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x0e \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x8c\x02\n\rSequenceChunk\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12-\n\x06params\x18\x06 \x01(\x0b\x32\x1d.rill.shard.v1.SamplingParams\x12\x18\n\x10\x63\x61\x63hed_token_ids\x18\x07 \x03(\r\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x08 \x03(\x07\x12\x12\n\nadapter_id\x18\t \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\r\"5\n\tBlockCopy\x12\x14\n\x0c\x64\x65vice_block\x18\x01 \x01(\r\x12\x12\n\nhost_block\x18\x02 \x01(\r\"\xcc\x01\n\x0e\x46orwardRequest\x12\x14\n\x0creleased_ids\x18\x01 \x03(\x04\x12/\n\tsequences\x18\x02 \x03(\x0b\x32\x1c.rill.shard.v1.SequenceChunk\x12*\n\x08swap_out\x18\x03 \x03(\x0b\x32\x18.rill.shard.v1.BlockCopy\x12)\n\x07swap_in\x18\x04 \x03(\x0b\x32\x18.rill.shard.v1.BlockCopy\x12\x1c\n\x14unloaded_adapter_ids\x18\x05 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"l\n\nGeneration\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.rill.shard.v1.TopLogprob\"Z\n\x0f\x46orwardResponse\x12.\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x19.rill.shard.v1.Generation\x12\x17\n\x0f\x66orward_time_us\x18\x02 \x01(\x04\"\x13\n\x11\x43learCacheRequest\"\x14\n\x12\x43learCacheResponse\"6\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\";\n\x13LoadAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0etarget_modules\x18\x02 \x03(\t2\x92\x04\n\x05Shard\x12?\n\x04Info\x12\x1a.rill.shard.v1.InfoRequest\x1a\x1b.rill.shard.v1.InfoResponse\x12\x45\n\x06Health\x12\x1c.rill.shard.v1.HealthRequest\x1a\x1d.rill.shard.v1.HealthResponse\x12\x45\n\x06Warmup\x12\x1c.rill.shard.v1.WarmupRequest\x1a\x1d.rill.shard.v1.WarmupResponse\x12H\n\x07Prefill\x12\x1d.rill.shard.v1.ForwardRequest\x1a\x1e.rill.shard.v1.ForwardResponse\x12G\n\x06\x44\x65\x63ode\x12\x1d.rill.shard.v1.ForwardRequest\x1a\x1e.rill.shard.v1.ForwardResponse\x12Q\n\nClearCache\x12 .rill.shard.v1.ClearCacheRequest\x1a!.rill.shard.v1.ClearCacheResponse\x12T\n\x0bLoadAdapter\x12!.rill.shard.v1.LoadAdapterRequest\x1a\".rill.shard.v1.LoadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -31,35 +31,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEALTHREQUEST']._serialized_start=327
   _globals['_HEALTHREQUEST']._serialized_end=342
   _globals['_HEALTHRESPONSE']._serialized_start=344
-  _globals['_HEALTHRESPONSE']._serialized_end=360
-  _globals['_WARMUPREQUEST']._serialized_start=363
-  _globals['_WARMUPREQUEST']._serialized_end=541
-  _globals['_WARMUPRESPONSE']._serialized_start=544
-  _globals['_WARMUPRESPONSE']._serialized_end=747
-  _globals['_SAMPLINGPARAMS']._serialized_start=750
-  _globals['_SAMPLINGPARAMS']._serialized_end=1180
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1132
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1180
-  _globals['_SEQUENCECHUNK']._serialized_start=1183
-  _globals['_SEQUENCECHUNK']._serialized_end=1451
-  _globals['_BLOCKCOPY']._serialized_start=1453
-  _globals['_BLOCKCOPY']._serialized_end=1506
-  _globals['_FORWARDREQUEST']._serialized_start=1509
-  _globals['_FORWARDREQUEST']._serialized_end=1713
-  _globals['_TOPLOGPROB']._serialized_start=1715
-  _globals['_TOPLOGPROB']._serialized_end=1762
-  _globals['_GENERATION']._serialized_start=1764
-  _globals['_GENERATION']._serialized_end=1872
-  _globals['_FORWARDRESPONSE']._serialized_start=1874
-  _globals['_FORWARDRESPONSE']._serialized_end=1964
-  _globals['_CLEARCACHEREQUEST']._serialized_start=1966
-  _globals['_CLEARCACHEREQUEST']._serialized_end=1985
-  _globals['_CLEARCACHERESPONSE']._serialized_start=1987
-  _globals['_CLEARCACHERESPONSE']._serialized_end=2007
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2009
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2063
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2065
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2124
-  _globals['_SHARD']._serialized_start=2127
-  _globals['_SHARD']._serialized_end=2657
+  _globals['_HEALTHRESPONSE']._serialized_end=379
+  _globals['_WARMUPREQUEST']._serialized_start=382
+  _globals['_WARMUPREQUEST']._serialized_end=560
+  _globals['_WARMUPRESPONSE']._serialized_start=563
+  _globals['_WARMUPRESPONSE']._serialized_end=766
+  _globals['_SAMPLINGPARAMS']._serialized_start=769
+  _globals['_SAMPLINGPARAMS']._serialized_end=1199
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1151
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1199
+  _globals['_SEQUENCECHUNK']._serialized_start=1202
+  _globals['_SEQUENCECHUNK']._serialized_end=1470
+  _globals['_BLOCKCOPY']._serialized_start=1472
+  _globals['_BLOCKCOPY']._serialized_end=1525
+  _globals['_FORWARDREQUEST']._serialized_start=1528
+  _globals['_FORWARDREQUEST']._serialized_end=1732
+  _globals['_TOPLOGPROB']._serialized_start=1734
+  _globals['_TOPLOGPROB']._serialized_end=1781
+  _globals['_GENERATION']._serialized_start=1783
+  _globals['_GENERATION']._serialized_end=1891
+  _globals['_FORWARDRESPONSE']._serialized_start=1893
+  _globals['_FORWARDRESPONSE']._serialized_end=1983
+  _globals['_CLEARCACHEREQUEST']._serialized_start=1985
+  _globals['_CLEARCACHEREQUEST']._serialized_end=2004
+  _globals['_CLEARCACHERESPONSE']._serialized_start=2006
+  _globals['_CLEARCACHERESPONSE']._serialized_end=2026
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2028
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2082
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2084
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2143
+  _globals['_SHARD']._serialized_start=2146
+  _globals['_SHARD']._serialized_end=2676
 # @@protoc_insertion_point(module_scope)

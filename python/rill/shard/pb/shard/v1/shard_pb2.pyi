@@ -43,8 +43,10 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("warmed_up",)
+    WARMED_UP_FIELD_NUMBER: _ClassVar[int]
+    warmed_up: bool
+    def __init__(self, warmed_up: _Optional[bool] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("max_batch_tokens", "max_batch_size", "max_total_kv_tokens", "swap_space_bytes", "max_speculative_tokens")
