@@ -1,7 +1,7 @@
-"""End to end: with `--restart-shards`, a killed shard fails the requests in flight (one killed while idle fails
-none: the idle router finds it restarted and warms it up), `/ready` answers 503
+"""End to end: with `--restart-shards`, a killed shard fails the requests in flight, `/ready` answers 503
 naming the shards while `/health` stays 200, the shard is restarted, and the same router serves new requests
-again; without it the launcher exits non-zero (tests/test_launcher.py)."""
+again (a shard killed while idle fails none: the idle router finds it restarted and warms it up); without it
+the launcher exits non-zero (tests/test_launcher.py)."""
 
 from __future__ import annotations
 
