@@ -6,7 +6,8 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,21 @@ def start_server(
         rill_command(port, *flags), port, log_path, what="launcher", timeout_s=timeout_s, host=host
     )
     return Server(started.url, started.process, started.log_path)
+
+
+def start_servers(
+    model_path: Path,
+    tmp_dir: Path,
+    *extra_args: str,
+    hosts: Sequence[str] = ("127.0.0.1", "127.0.0.1"),
+    port: int | None = None,
+) -> list[Server]:
+    """One `start_server` per host, all at once (their models load in parallel), on `port` (a free one each
+    when None)."""
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        args = (model_path, tmp_dir, *extra_args)
+        futures = [pool.submit(start_server, *args, host=host, port=port) for host in hosts]
+        return [future.result() for future in futures]
 
 
 def stop_server(server: Server) -> None:

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import requests
 
 from bench.servers import ROOT, accepts_connections, free_port, wait_until
-from tests.e2e.conftest import Server, kill_instance, start_server, stop_server
+from tests.e2e.conftest import Server, kill_instance, start_servers, stop_server
 
 NGINX = shutil.which("nginx")
 pytestmark = pytest.mark.skipif(
@@ -68,9 +67,7 @@ def render_nginx_conf(upstream_ports: list[int], listen_port: int, tmp_dir: Path
 @pytest.fixture(scope="module")
 def cluster(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp_dir = tmp_path_factory.mktemp("load_balancer")
-    with ThreadPoolExecutor(2) as pool:  # load both models at once
-        futures = [pool.submit(start_server, default_model, tmp_dir, *INSTANCE_ARGS) for _ in range(2)]
-        instances = [future.result() for future in futures]
+    instances = start_servers(default_model, tmp_dir, *INSTANCE_ARGS)
     nginx_process = None
     try:
         port = free_port()

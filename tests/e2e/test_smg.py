@@ -28,7 +28,7 @@ import requests
 
 from bench import servers
 from bench.servers import free_port
-from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.conftest import Server, start_servers, stop_server
 
 SMG = shutil.which("smg") or shutil.which("smg", path=str(Path(sys.executable).parent))
 pytestmark = pytest.mark.skipif(SMG is None, reason="smg is not installed (the dev extra has it)")
@@ -118,9 +118,7 @@ class Replicas:
 @pytest.fixture(scope="module")
 def replicas(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
     tmp_dir = tmp_path_factory.mktemp("smg_replicas")
-    with ThreadPoolExecutor(2) as pool:  # load both models at once
-        futures = [pool.submit(start_server, default_model, tmp_dir, *REPLICA_ARGS) for _ in range(2)]
-        started = [future.result() for future in futures]
+    started = start_servers(default_model, tmp_dir, *REPLICA_ARGS)
     yield Replicas(started)
     for server in started:
         stop_server(server)

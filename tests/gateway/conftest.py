@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import yaml
 
 from bench import servers
 from bench.servers import ROOT, free_port
-from tests.e2e.conftest import Server, start_server, stop_server
+from tests.e2e.conftest import Server, start_servers, stop_server
 from tests.test_helm_chart import HELM, render
 
 # tests/gateway/tools.sh's cache folder: the EPP, kube-apiserver and the InferencePool CRD.
@@ -342,12 +341,7 @@ def envoy_config(
 
 def start_replicas(stack: ExitStack, default_model: Path, tmp_dir: Path) -> list[Server]:
     port = free_port()  # the same on every loopback address: one container port
-    with ThreadPoolExecutor(len(REPLICA_HOSTS)) as pool:  # load the models at once
-        futures = [
-            pool.submit(start_server, default_model, tmp_dir, *REPLICA_ARGS, host=host, port=port)
-            for host in REPLICA_HOSTS
-        ]
-        started = [future.result() for future in futures]
+    started = start_servers(default_model, tmp_dir, *REPLICA_ARGS, hosts=REPLICA_HOSTS, port=port)
     for server in started:
         stack.callback(stop_server, server)
     return started
