@@ -81,6 +81,7 @@ class CpuOps(KernelOps):
     """Every op of `KernelOps`, optional ones included, on the CPU."""
 
     name = "cpu"
+    kv_cache_dtypes = ("auto", "int8")
 
     def unavailable_reason(self) -> str | None:
         if sources().is_built():
@@ -122,8 +123,13 @@ class CpuOps(KernelOps):
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
-        load().store_kv(k.to(k_pool.dtype), v.to(v_pool.dtype), k_pool, v_pool, slot_mapping)
+        """int8 pools: k and v stay in the model's dtype (float32 or bfloat16), quantized from float32."""
+        if k_scale is None:
+            k, v = k.to(k_pool.dtype), v.to(v_pool.dtype)
+        load().store_kv(k, v, k_pool, v_pool, slot_mapping, k_scale, v_scale)
 
     def paged_attention(
         self,
@@ -134,10 +140,14 @@ class CpuOps(KernelOps):
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q may have any token stride (heads contiguous). The row for a query depends only on it and its
         keys, never on the rest of the batch or the thread count (each query walks its keys in fixed tiles
-        from position 0)."""
+        from position 0). int8 pools are dequantized on the fly: a score is scale_k * (q . k_int8) and a V
+        row enters the sum as (p * scale_v) * v_int8, in float32; the torch reference multiplies the rows out
+        first, so the two agree within float32 rounding, not bitwise."""
         out = torch.empty(q.shape, dtype=q.dtype)
         load().paged_attention(
             out,
@@ -150,6 +160,8 @@ class CpuOps(KernelOps):
             scale,
             sliding_window,
             softcap,
+            k_scale,
+            v_scale,
         )
         return out
 
@@ -258,7 +270,8 @@ def decoder_stack(
 ) -> Any:
     """A run of Llama-family decoder layers (pre-norm RMSNorm, q/k/v, rotary, paged attention, o, gated SiLU
     MLP) whose `forward(hidden, residual, positions, cos, sin, k_pools, v_pools, block_tables, cu_seqlens_q,
-    slot_mapping, lora_slots)` runs them all in one call and returns the last layer's (hidden, residual), as
+    slot_mapping, lora_slots, k_scales, v_scales)` (the scale pools of int8 pools, one per layer, or empty
+    lists) runs them all in one call and returns the last layer's (hidden, residual), as
     `LlamaDecoderLayer.forward` would, with the bits of the same kernels called one op at a time. Each layer
     is a dict of the `decoder_layer_fields` (projections packed by `CpuOps.pack_linear`, absent biases and
     LoRA stacks None; a projection's LoRA stacks are `lora_add`'s lora_a and lora_b) and `sliding_window`

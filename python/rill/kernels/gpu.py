@@ -70,9 +70,12 @@ class GpuOps(KernelOps):
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Bitwise the reference; a slot past the pool is skipped like a negative one (checking it would sync
-        with the host)."""
+        with the host). No int8 pools (`kv_cache_dtypes`)."""
+        _refuse_int8(k_scale, v_scale)
         kernels().launch_store_kv(k, v, k_pool, v_pool, slot_mapping)
 
     def paged_attention(
@@ -84,7 +87,10 @@ class GpuOps(KernelOps):
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _refuse_int8(k_scale, v_scale)
         return attention().paged_attention(q, k_pool, v_pool, meta, scale, sliding_window, softcap)
 
     def fused_add_rms_norm(
@@ -131,3 +137,10 @@ class GpuOps(KernelOps):
         log_sum = torch.empty_like(row_max)
         kernels().launch_softmax_stats(row_max, log_sum, x.contiguous())
         return row_max, log_sum
+
+
+def _refuse_int8(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if k_scale is not None or v_scale is not None:
+        raise ValueError(
+            "the Triton kernels have no int8 KV cache: use --kv-cache-dtype auto on cuda, or the CPU"
+        )

@@ -72,6 +72,9 @@ class KernelOps(abc.ABC):
 
     name: str  # for logs: "cpu", "cuda"
     captures_cuda_graphs: bool = False  # its ops never sync with the host nor allocate host memory
+    # --kv-cache-dtype values its store_kv and paged_attention take: auto (pools of the model's dtype) and,
+    # where listed, int8 (int8 pools with float32 scale pools, passed as k_scale / v_scale)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     # --- building ---
 
@@ -113,9 +116,13 @@ class KernelOps(abc.ABC):
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Writes k, v [num_tokens, num_kv_heads, head_dim] into flat slots `slot_mapping` (< 0: skipped) of
-        one layer's pools (K in `k_pool_shape`), converting to the pools' dtype."""
+        one layer's pools (K in `k_pool_shape`), converting to the pools' dtype. int8 pools (k_scale, v_scale
+        float32 [num_blocks, block_size, num_kv_heads] given): each row quantized as
+        `rill.shard.kv_cache.quantize_int8` does, bitwise, its scale into the scale pool."""
 
     @abc.abstractmethod
     def paged_attention(
@@ -127,9 +134,11 @@ class KernelOps(abc.ABC):
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of every query row q [num_tokens, num_heads, head_dim] through the paged pools,
-        for the whole batch in one call. A query at position p sees its sequence's keys 0..p (with
+        for the whole batch in one call; int8 pools are read with their scale pools (as for `store_kv`). A query at position p sees its sequence's keys 0..p (with
         sliding_window > 0 only those > p - sliding_window, and keys before that window are never read); with
         softcap > 0, scores become softcap * tanh(score / softcap). Query head h reads KV head h // (num_heads
         / num_kv_heads). Returns [num_tokens, num_heads, head_dim] in q's dtype."""

@@ -16,6 +16,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "cuda", "torch")
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class ShardConfig:
     OpenTelemetry collector the server sends its `forward` spans to (rill/shard/telemetry.py).
     `cgroup_root` is where the cgroup hierarchy is mounted: the pools are sized within the memory limits
     found there (rill/shard/memory.py; tests point it at a fake one).
+    `kv_cache_dtype` is what the KV pool stores: auto, the model's dtype; int8, K/V rows quantized with a
+    float32 scale each (rill/shard/kv_cache.py; the CPU kernels and the torch references only).
     `max_loras` is the number of LoRA adapter slots on the device, the most distinct adapters one forward may
     use (0: LoRA off), and `max_lora_rank` the largest adapter rank they hold (rill/shard/lora.py).
     """
@@ -52,6 +55,7 @@ class ShardConfig:
     cgroup_root: Path = CGROUP_ROOT
     max_loras: int = 0
     max_lora_rank: int = 16
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -80,12 +84,21 @@ class ShardConfig:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: the model's, or torch.int8."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.torch_dtype
 
     @property
     def torch_device(self) -> torch.device:

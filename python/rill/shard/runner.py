@@ -145,11 +145,19 @@ class ModelRunner:
     def _choose_ops(self) -> KernelOps | None:
         """`--attention-backend`: auto runs the device's kernels when they can run this model here (else the
         torch references, with a log line saying why); cpu or cuda insist (an error when they cannot); torch
-        always runs the references (None). The kernels are built (once, cached) or loaded here."""
+        always runs the references (None). The kernels are built (once, cached) or loaded here. A
+        --kv-cache-dtype the device's kernels do not take (int8 on cuda) is an error whatever the backend asked
+        for, unless it is torch."""
         requested = self.config.attention_backend
         if requested == "torch":
             return None
         ops: KernelOps = GpuOps() if self.device.type == "cuda" else CpuOps()
+        if self.config.kv_cache_dtype not in ops.kv_cache_dtypes:
+            raise ValueError(
+                f"--kv-cache-dtype {self.config.kv_cache_dtype} is not supported by the {ops.name} kernels "
+                f"(they take {', '.join(ops.kv_cache_dtypes)}); the CPU kernels and --attention-backend torch "
+                "take int8"
+            )
         reasons = unsupported_reasons(self.model, ops)
         if not reasons:
             reasons = [reason for reason in [_load_kernels(ops)] if reason]
@@ -184,15 +192,24 @@ class ModelRunner:
             self.config.block_size,
             self.model.num_kv_heads,  # this rank's KV heads only
             cfg.head_dim,
-            self.dtype,
+            self.config.kv_torch_dtype,
             self.device,
             ops=self.ops,
         )
 
+    def _kv_dtype_name(self) -> str:
+        if self.config.kv_cache_dtype == "int8":
+            return "int8 with float32 scales"
+        return self.config.dtype
+
     def _bytes_per_block(self) -> int:
         cfg = self.model_config
         return KVCache.bytes_per_block(
-            cfg.num_hidden_layers, self.config.block_size, self.model.num_kv_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers,
+            self.config.block_size,
+            self.model.num_kv_heads,
+            cfg.head_dim,
+            self.config.kv_torch_dtype,
         )
 
     @torch.inference_mode()
@@ -342,11 +359,12 @@ class ModelRunner:
         if num_blocks < 2:
             raise RuntimeError(f"not enough memory for a KV pool of 2 blocks ({reason})")
         logger.info(
-            "KV pool: %d blocks of %d tokens (%d usable tokens, %.2f GiB); %s",
+            "KV pool: %d blocks of %d tokens (%d usable tokens, %.2f GiB, KV dtype %s); %s",
             num_blocks,
             block_size,
             (num_blocks - 1) * block_size,
             num_blocks * bytes_per_block / 2**30,
+            self._kv_dtype_name(),
             reason,
         )
         return num_blocks, reason

@@ -13,7 +13,7 @@ has a fixed key count (a tile is zero-padded past the context) and a row count p
 ROW_MULTIPLE. Plain softmax over the whole row and F.scaled_dot_product_attention are not (measured).
 
 Kernels (backend.py): with ops, the layer stores its K/V and attends in two calls of them
-(`KernelOps.store_kv`, `KernelOps.paged_attention`) for the whole batch; the CPU kernels are batch-invariant
+(`KernelOps.store_kv`, `KernelOps.paged_attention`, with the scale pools of an int8 KV pool) for the whole batch; the CPU kernels are batch-invariant
 in the same sense (docs/kernels.md), the CUDA ones are not across batch shapes (their decode split count
 depends on the batch), as the GPU's bf16 GEMMs are not either.
 """
@@ -172,9 +172,10 @@ class PagedAttention(KernelLayer):
         cache, meta = ctx.kv_cache, ctx.meta
         k_pool, v_pool = cache.k[self.layer_id], cache.v[self.layer_id]
         if self.ops is not None:
-            self.ops.store_kv(k, v, k_pool, v_pool, meta.slot_mapping)
+            k_scale, v_scale = cache.scales(self.layer_id)
+            self.ops.store_kv(k, v, k_pool, v_pool, meta.slot_mapping, k_scale, v_scale)
             return self.ops.paged_attention(
-                q, k_pool, v_pool, meta, self.scale, self.sliding_window, self.softcap
+                q, k_pool, v_pool, meta, self.scale, self.sliding_window, self.softcap, k_scale, v_scale
             )
         cache.store_kv(self.layer_id, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -183,8 +184,7 @@ class PagedAttention(KernelLayer):
             start, end = cu_seqlens_q[i], cu_seqlens_q[i + 1]
             num_seq_blocks = -(-context_len // cache.block_size)
             blocks = meta.block_tables[i, :num_seq_blocks]
-            seq_k = k_pool[blocks].flatten(0, 1)[:context_len]
-            seq_v = v_pool[blocks].flatten(0, 1)[:context_len]
+            seq_k, seq_v = cache.rows(self.layer_id, blocks, context_len)
             out[start:end] = tiled_causal_attention(
                 q[start:end],
                 seq_k,

@@ -120,18 +120,21 @@ class FusedDecoderLayers(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = get_forward_context()
         cos, sin = self.cos_sin(positions, hidden.dtype)
+        cache = ctx.kv_cache
         return self.kernel.forward(
             hidden,
             residual,
             positions,
             cos,
             sin,
-            [ctx.kv_cache.k[i] for i in self.layer_ids],
-            [ctx.kv_cache.v[i] for i in self.layer_ids],
+            [cache.k[i] for i in self.layer_ids],
+            [cache.v[i] for i in self.layer_ids],
             ctx.meta.block_tables,
             ctx.meta.cu_seqlens_q,
             ctx.meta.slot_mapping,
             ctx.lora_slots,
+            [cache.k_scale[i] for i in self.layer_ids] if cache.is_int8 else [],
+            [cache.v_scale[i] for i in self.layer_ids] if cache.is_int8 else [],
         )
 
 

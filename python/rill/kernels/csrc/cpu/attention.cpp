@@ -20,6 +20,12 @@
 //   AVX512-BF16: one pair step per pair of keys (2m, 2m + 1), a key the query does not see entering as zeros).
 // Rows share loads (several rows per pass over the V rows) but never arithmetic, and one row is never split
 // across threads.
+//
+// int8 pools (k_scales set; rill/shard/kv_cache.py): the pools hold int8 rows, each (slot, KV head) with a
+// float32 scale, dequantized on the fly: key j's score is its lane's sum of q_i * k_i (the int8 values exactly in
+// float32, the order above) times scale_j, and V row j enters the accumulator as (p_j * scale_j) * v_i. Both
+// factors are the key's own, so batch invariance holds as above. No pairs: the bfloat16 pair steps are for
+// bfloat16 pools only.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -60,15 +66,15 @@ struct WorkItem {
   int64_t num_kv_heads;  // KV heads [kv_head, kv_head + num_kv_heads)
 };
 
-// Per-thread buffers, sized once per call.
-template <typename T>
+// Per-thread buffers, sized once per call. T: q and out; P: the pools' elements (T, or int8_t with scale pools).
+template <typename T, typename P>
 struct Scratch {
   Scratch(int64_t max_rows, int64_t max_kv_heads, int64_t head_dim)
       : q(max_rows * head_dim), acc(max_rows * head_dim), probs(max_rows * kKeyTile), row_max(max_rows),
         row_sum(max_rows), rescale(max_rows), lo(max_rows), hi(max_rows), begin(max_rows), end(max_rows),
         active(max_rows), q_raw(max_rows), kv_offset(max_rows), zero_row(head_dim), k_rows(kKeyTile),
         v_rows(kKeyTile), k_groups(max_kv_heads * (kKeyTile / kLanes)),
-        probs_bf16(kPairedBf16<T> ? max_rows * kKeyTile : 0) {}
+        k_scale_rows(kKeyTile), v_scale_rows(kKeyTile), probs_bf16(kPairedBf16<P> ? max_rows * kKeyTile : 0) {}
   std::vector<float> q;      // scaled queries, float32, [rows, head_dim]
   std::vector<float> acc;    // [rows, head_dim]
   std::vector<float> probs;  // this tile's scores, then probabilities, [rows, kKeyTile]
@@ -78,11 +84,13 @@ struct Scratch {
   std::vector<int64_t> active;      // rows that see a key of the current tile
   std::vector<const T*> q_raw;
   std::vector<int64_t> kv_offset;  // row r's K/V within a slot's row of the item's first KV head
-  std::vector<T> zero_row;  // stands in for keys a row does not see
-  std::vector<const T*> k_rows, v_rows;  // the current tile's K (in rows) / V rows, at the item's first KV head
+  std::vector<P> zero_row;  // stands in for keys a row does not see
+  std::vector<const P*> k_rows, v_rows;  // the current tile's K (in rows) / V rows, at the item's first KV head
   // K in pairs: the current tile's groups of 16 keys in the pool, [KV head of the item][group]: row p of a
   // group (block_size 32-bit pairs apart) holds pair p of each key
   std::vector<const uint32_t*> k_groups;
+  // int8 pools: the current tile's keys' K / V scales, at the item's first KV head
+  std::vector<const float*> k_scale_rows, v_scale_rows;
   std::vector<bf16> probs_bf16;  // paired bfloat16 only: probs rounded to bfloat16, [rows, kKeyTile]
   std::vector<Span> next_spans;  // the next tile's K/V bytes to prefetch (decode items)
   size_t next_span = 0;          // the first span not yet prefetched in full
@@ -92,8 +100,8 @@ struct Scratch {
 };
 
 // Prefetches the next n cache lines of the next tile into L2.
-template <typename T>
-inline void prefetch_next(Scratch<T>& s, int64_t n) {
+template <typename T, typename P>
+inline void prefetch_next(Scratch<T, P>& s, int64_t n) {
   for (; n > 0 && s.next_span < s.next_spans.size(); ++s.next_span, s.next_byte = 0) {
     const Span& span = s.next_spans[s.next_span];
     const int64_t stop = std::min(span.bytes, s.next_byte + n * 64);
@@ -107,20 +115,21 @@ inline void prefetch_next(Scratch<T>& s, int64_t n) {
 }
 
 // Cache lines of the next tile not yet prefetched.
-template <typename T>
-inline int64_t lines_left(const Scratch<T>& s) {
+template <typename T, typename P>
+inline int64_t lines_left(const Scratch<T, P>& s) {
   int64_t lines = -s.next_byte / 64;
   for (size_t i = s.next_span; i < s.next_spans.size(); ++i) lines += (s.next_spans[i].bytes + 63) / 64;
   return lines;
 }
 
-// Scores (scaled) of one row for the 16 keys k[0..15] of a group: lane i = q . k[i].
-template <typename T>
-inline Vec16 group_scores(const float* q_scaled, const T* q_raw, const T* const* k, int64_t head_dim,
+// Scores (scaled) of one row for the 16 keys k[0..15] of a group: lane i = q . k[i] (int8 keys: before their
+// scales).
+template <typename T, typename P>
+inline Vec16 group_scores(const float* q_scaled, const T* q_raw, const P* const* k, int64_t head_dim,
                           float scale) {
   Vec16 acc[kLanes];
   for (int i = 0; i < kLanes; ++i) acc[i] = zeros();
-  if constexpr (kPairedBf16<T>) {
+  if constexpr (kPairedBf16<P>) {
 #if defined(__AVX512BF16__)
     for (int64_t d = 0; d < head_dim; d += 2 * kLanes) {
       const __mmask32 pairs = head_dim - d >= 2 * kLanes ? 0xffffffffu : 0xffffu;  // head_dim % 32 == 16
@@ -139,18 +148,24 @@ inline Vec16 group_scores(const float* q_scaled, const T* q_raw, const T* const*
   return reduce16(acc);
 }
 
-// Row r's scores (scaled) for the tile's keys [begin, end), into probs.
-template <typename T>
-void row_scores(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
+// Row r's scores (scaled) for the tile's keys [begin, end), into probs. int8 keys: lane i's sum times key i's
+// scale, in float32 (a key the row does not see: zeros times 0).
+template <typename T, typename P>
+void row_scores(const PagedAttentionArgs& a, Scratch<T, P>& s, int64_t r) {
   const int64_t begin = s.begin[r], end = s.end[r];
-  const T* keys[kLanes];
+  const P* keys[kLanes];
+  alignas(64) float key_scales[kLanes];
+  const int64_t kv_head = s.kv_offset[r] / a.head_dim;  // within the item's
   for (int64_t g0 = begin / kLanes * kLanes; g0 < end; g0 += kLanes) {
     for (int i = 0; i < kLanes; ++i) {
       const int64_t j = g0 + i;
-      keys[i] = j >= begin && j < end ? s.k_rows[j] + s.kv_offset[r] : s.zero_row.data();
+      const bool sees = j >= begin && j < end;
+      keys[i] = sees ? s.k_rows[j] + s.kv_offset[r] : s.zero_row.data();
+      if constexpr (std::is_same_v<P, int8_t>) key_scales[i] = sees ? s.k_scale_rows[j][kv_head] : 0.0f;
     }
-    store(s.probs.data() + r * kKeyTile + g0,
-          group_scores(s.q.data() + r * a.head_dim, s.q_raw[r], keys, a.head_dim, a.scale));
+    Vec16 scores = group_scores(s.q.data() + r * a.head_dim, s.q_raw[r], keys, a.head_dim, a.scale);
+    if constexpr (std::is_same_v<P, int8_t>) scores = mul(scores, load(key_scales));
+    store(s.probs.data() + r * kKeyTile + g0, scores);
     prefetch_next(s, s.prefetch_per_group);
   }
 }
@@ -160,7 +175,7 @@ void row_scores(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
 // row of pairs: lane i of group g sums q's pairs of dims times key 16 g + i's, pair by pair. Prefetches the next
 // tile's lines spread over the pairs: `prefetch` lines per 8 pairs.
 template <int ROWS, int GROUPS>
-void paired_scores(Scratch<bf16>& s, const bf16* const* q, const uint32_t* const* k, int64_t pair_stride,
+void paired_scores(Scratch<bf16, bf16>& s, const bf16* const* q, const uint32_t* const* k, int64_t pair_stride,
                    int64_t pairs, float scale, float* const* out, int64_t prefetch) {
   __m512 acc[ROWS][GROUPS];
   for (int r = 0; r < ROWS; ++r) {
@@ -185,7 +200,7 @@ void paired_scores(Scratch<bf16>& s, const bf16* const* q, const uint32_t* const
 }
 
 constexpr int kPairedRows = 4;  // rows per paired_scores call: 16 accumulators at 4 groups, with the 4 key loads
-using PairedScores = void (*)(Scratch<bf16>&, const bf16* const*, const uint32_t* const*, int64_t, int64_t, float,
+using PairedScores = void (*)(Scratch<bf16, bf16>&, const bf16* const*, const uint32_t* const*, int64_t, int64_t, float,
                               float* const*, int64_t);
 template <int ROWS>
 constexpr PairedScores kPairedScores[kKeyTile / kLanes] = {paired_scores<ROWS, 1>, paired_scores<ROWS, 2>,
@@ -195,7 +210,7 @@ static_assert(kKeyTile / kLanes == 4, "kPairedScores lists one instance per grou
 // K in pairs: the active rows' scores for the tile, into probs. Runs of up to kPairedRows consecutive rows of one
 // KV head share the key loads, each over the groups its rows see; keys of a group a row does not see are masked
 // by the softmax step.
-inline void paired_tile_scores(const PagedAttentionArgs& a, Scratch<bf16>& s, int64_t num_active) {
+inline void paired_tile_scores(const PagedAttentionArgs& a, Scratch<bf16, bf16>& s, int64_t num_active) {
   const int64_t pairs = a.head_dim / 2;
   const int64_t* active = s.active.data();
   for (int64_t k = 0; k < num_active;) {
@@ -226,8 +241,8 @@ inline void paired_tile_scores(const PagedAttentionArgs& a, Scratch<bf16>& s, in
 
 // Row r's online-softmax step over its scores in probs for the tile's keys [begin, end): probabilities in place
 // of the scores, the rescale of its running state, and its running max and sum updated.
-template <typename T>
-void softmax_update(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
+template <typename T, typename P>
+void softmax_update(const PagedAttentionArgs& a, Scratch<T, P>& s, int64_t r) {
   const int64_t begin = s.begin[r], end = s.end[r];
   float* scores = s.probs.data() + r * kKeyTile;
   const int64_t first_group = begin / kLanes * kLanes;
@@ -248,7 +263,7 @@ void softmax_update(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
     const Vec16 p = select(valid, exp(sub(load(scores + c0), shift)), zeros());
     store(scores + c0, p);
 #if defined(__AVX512BF16__)
-    if constexpr (kPairedBf16<T>) {
+    if constexpr (kPairedBf16<P>) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.probs_bf16.data() + r * kKeyTile + c0),
                           (__m256i)_mm512_cvtneps_pbh(p.v));
     }
@@ -261,9 +276,10 @@ void softmax_update(const PagedAttentionArgs& a, Scratch<T>& s, int64_t r) {
 
 // For ROWS rows of one KV head at once (sharing the V loads): acc chunks [c0, c0 + PIECE) = acc * rescale, then
 // acc += p[j] * v_j for each key j the row sees in this tile, in key order. SAME_KEYS: the rows see the same keys
-// (a decode row's query heads always do), so no key needs a per-row check.
-template <int PIECE, int ROWS, bool SAME_KEYS, typename T>
-void accumulate(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
+// (a decode row's query heads always do), so no key needs a per-row check. int8 V: p[j] * scale_j times the int8
+// row, the product in float32 (the rows of a pass share the KV head, hence the scale).
+template <int PIECE, int ROWS, bool SAME_KEYS, typename T, typename P>
+void accumulate(Scratch<T, P>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
   Vec16 acc[ROWS][PIECE];
   const int64_t kv_offset = s.kv_offset[rows[0]];
   int64_t lo = s.begin[rows[0]], hi = s.end[rows[0]];
@@ -280,9 +296,11 @@ void accumulate(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0
     prefetch_next(s, s.prefetch_per_key);
     Vec16 v[PIECE];
     for (int c = 0; c < PIECE; ++c) v[c] = load(s.v_rows[j] + kv_offset + (c0 + c) * kLanes);
+    float v_scale = 1.0f;
+    if constexpr (std::is_same_v<P, int8_t>) v_scale = s.v_scale_rows[j][kv_offset / head_dim];
     for (int k = 0; k < ROWS; ++k) {
       if (!SAME_KEYS && (j < s.begin[rows[k]] || j >= s.end[rows[k]])) continue;
-      const Vec16 p = broadcast(probs[k][j]);
+      const Vec16 p = broadcast(std::is_same_v<P, int8_t> ? probs[k][j] * v_scale : probs[k][j]);
       for (int c = 0; c < PIECE; ++c) acc[k][c] = fmadd(p, v[c], acc[k][c]);
     }
   }
@@ -304,7 +322,7 @@ inline __m512bh interleave16(__m512i order, const bf16* a, const bf16* b) {
 // acc += p[2m] * v[2m] + p[2m + 1] * v[2m + 1] with p rounded to bfloat16. A key of the pair the row does not see
 // enters as a zero V row with p = 0, so the row's arithmetic depends on its own keys only.
 template <int PIECE, int ROWS, bool SAME_KEYS>
-void accumulate_paired(Scratch<bf16>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
+void accumulate_paired(Scratch<bf16, bf16>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
   alignas(64) static constexpr uint16_t kOrder[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kOrder);
@@ -360,13 +378,13 @@ void accumulate_paired(Scratch<bf16>& s, const int64_t* rows, int64_t head_dim, 
 template <int PIECE>
 constexpr int kRowsPerPass = PIECE <= 4 ? 4 : PIECE <= 6 ? 3 : 2;
 
-template <int PIECE, int ROWS, typename T>
-void accumulate_rows(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
+template <int PIECE, int ROWS, typename T, typename P>
+void accumulate_rows(Scratch<T, P>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
   bool same_keys = true;
   for (int k = 1; k < ROWS; ++k) {
     same_keys &= s.begin[rows[k]] == s.begin[rows[0]] && s.end[rows[k]] == s.end[rows[0]];
   }
-  if constexpr (kPairedBf16<T>) {
+  if constexpr (kPairedBf16<P>) {
 #if defined(__AVX512BF16__)
     if (same_keys) {
       accumulate_paired<PIECE, ROWS, true>(s, rows, head_dim, c0);
@@ -382,8 +400,8 @@ void accumulate_rows(Scratch<T>& s, const int64_t* rows, int64_t head_dim, int64
 }
 
 // The active rows in passes of up to kRowsPerPass consecutive rows of one KV head.
-template <int PIECE, typename T>
-void accumulate_piece(Scratch<T>& s, int64_t num_active, int64_t head_dim, int64_t c0) {
+template <int PIECE, typename T, typename P>
+void accumulate_piece(Scratch<T, P>& s, int64_t num_active, int64_t head_dim, int64_t c0) {
   const int64_t* active = s.active.data();
   for (int64_t k = 0; k < num_active;) {
     int n = 1;
@@ -398,8 +416,8 @@ void accumulate_piece(Scratch<T>& s, int64_t num_active, int64_t head_dim, int64
   }
 }
 
-template <typename T>
-void accumulate_tile(Scratch<T>& s, int64_t num_active, int64_t head_dim) {
+template <typename T, typename P>
+void accumulate_tile(Scratch<T, P>& s, int64_t num_active, int64_t head_dim) {
   const int64_t num_chunks = head_dim / kLanes;
   int64_t c0 = 0;
   for (; c0 + kMaxPiece <= num_chunks; c0 += kMaxPiece) accumulate_piece<kMaxPiece>(s, num_active, head_dim, c0);
@@ -436,11 +454,11 @@ inline void for_each_run(const PagedAttentionArgs& a, const int64_t* table, int6
 // Calls visit(span) for the item's K rows, then V rows, of the keys [first, end): a block's rows are one span when
 // the item takes all KV heads, one span per row otherwise. K in pairs: a block's rows of pairs of the item's KV
 // heads are one span when the keys fill the block, one span per row of pairs otherwise.
-template <typename T, typename Visit>
+template <typename P, typename Visit>
 inline void for_each_span(const PagedAttentionArgs& a, const WorkItem& item, int64_t first, int64_t end,
                           Visit&& visit) {
   const int64_t* table = a.block_tables + item.seq * a.block_table_stride;
-  constexpr int64_t elem = sizeof(T);
+  constexpr int64_t elem = sizeof(P);
   const int64_t row_bytes = item.num_kv_heads * a.head_dim * elem;
   const int64_t slot_bytes = a.num_kv_heads * a.head_dim * elem;
   if (a.paired_k) {
@@ -472,8 +490,8 @@ inline void for_each_span(const PagedAttentionArgs& a, const WorkItem& item, int
 
 // `next`: the item this thread takes after this one (or null); a decode item prefetches its first tile while it
 // computes its own last.
-template <typename T>
-void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkItem* next, Scratch<T>& s) {
+template <typename T, typename P>
+void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkItem* next, Scratch<T, P>& s) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t head_dim = a.head_dim;
   const int64_t heads_per_query = item.num_kv_heads * group;  // rows are (query, head), head-minor
@@ -498,8 +516,8 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
     s.row_sum[r] = 0.0f;
   }
   const int64_t* table = a.block_tables + item.seq * a.block_table_stride;
-  const T* k_pool = static_cast<const T*>(a.k_pool);
-  const T* v_pool = static_cast<const T*>(a.v_pool);
+  const P* k_pool = static_cast<const P*>(a.k_pool);
+  const P* v_pool = static_cast<const P*>(a.v_pool);
   const int64_t slot_stride = a.num_kv_heads * head_dim;
   for (int64_t tile_start = item_lo / kKeyTile * kKeyTile; tile_start < item_hi; tile_start += kKeyTile) {
     const int64_t tile_end = std::min(tile_start + kKeyTile, item_hi);
@@ -508,6 +526,10 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
                    for (int64_t i = 0; i < run; ++i) {
                      if (!a.paired_k) s.k_rows[key + i - tile_start] = k_pool + offset + i * slot_stride;
                      s.v_rows[key + i - tile_start] = v_pool + offset + i * slot_stride;
+                     if constexpr (std::is_same_v<P, int8_t>) {  // a row's scale: its offset / head_dim
+                       s.k_scale_rows[key + i - tile_start] = a.k_scales + (offset + i * slot_stride) / head_dim;
+                       s.v_scale_rows[key + i - tile_start] = a.v_scales + (offset + i * slot_stride) / head_dim;
+                     }
                    }
                  });
     if (a.paired_k) {  // block_size is a multiple of 16, so a group of 16 keys lies in one block
@@ -526,7 +548,7 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
     // Left to the arithmetic's own order (16 keys' rows side by side, one 64-byte piece each at a time) the same
     // bytes came from memory at about a third of the speed (measured: a decode step's attention at batch 16,
     // context 512, 45 -> 32 ms on one thread).
-    for_each_span<T>(a, item, std::max(tile_start, item_lo), tile_end, [](const Span& span) {
+    for_each_span<P>(a, item, std::max(tile_start, item_lo), tile_end, [](const Span& span) {
       for (int64_t byte = 0; byte < span.bytes; byte += 64) touch(span.begin + byte);
     });
     // A decode item's K/V come from memory once (a prefill item's are read again by the chunk's other items), so
@@ -546,11 +568,11 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
     };
     if (item.query_end - item.query_begin == 1) {
       if (tile_end < item_hi) {
-        for_each_span<T>(a, item, tile_end, std::min(tile_end + kKeyTile, item_hi), add_span);
+        for_each_span<P>(a, item, tile_end, std::min(tile_end + kKeyTile, item_hi), add_span);
       } else if (next != nullptr && next->query_end - next->query_begin == 1) {
         const int64_t position = a.positions[next->query_begin];
         const int64_t lo = first_key(a, position);
-        for_each_span<T>(a, *next, lo, std::min(lo / kKeyTile * kKeyTile + kKeyTile, position + 1), add_span);
+        for_each_span<P>(a, *next, lo, std::min(lo / kKeyTile * kKeyTile + kKeyTile, position + 1), add_span);
       }
     }
     const int64_t num_groups = num_rows * (kKeyTile / kLanes);
@@ -565,7 +587,7 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
     }
     if (a.paired_k) {  // bfloat16 only (the binding checks)
 #if defined(__AVX512BF16__)
-      if constexpr (kPairedBf16<T>) paired_tile_scores(a, s, num_active);
+      if constexpr (kPairedBf16<P>) paired_tile_scores(a, s, num_active);
 #endif
       for (int64_t i = 0; i < num_active; ++i) softmax_update(a, s, s.active[i]);
     } else {
@@ -589,6 +611,25 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
   }
 }
 
+// Runs the items on the threads, P the pools' element type.
+template <typename T, typename P>
+void attend_items(const PagedAttentionArgs& a, const std::vector<WorkItem>& items, int64_t max_rows,
+                  int64_t decode_heads) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  // Items go to the threads as they come free, one ahead: a thread takes its next item before it starts the
+  // current one, so that the current one can prefetch the next one's first K/V.
+  std::atomic<int64_t> taken{0};
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, num_items)))
+  {
+    Scratch<T, P> scratch(max_rows, decode_heads, a.head_dim);
+    for (int64_t i = taken++; i < num_items;) {
+      const int64_t next = taken++;
+      attend_item(a, items[i], next < num_items ? &items[next] : nullptr, scratch);
+      i = next;
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -609,19 +650,11 @@ void paged_attention(const PagedAttentionArgs& a) {
       }
     }
   }
-  const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t max_rows = std::max(queries_per_item * group, decode_heads * group);
-  // Items go to the threads as they come free, one ahead: a thread takes its next item before it starts the
-  // current one, so that the current one can prefetch the next one's first K/V.
-  std::atomic<int64_t> taken{0};
-#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(a.num_threads, num_items)))
-  {
-    Scratch<T> scratch(max_rows, decode_heads, a.head_dim);
-    for (int64_t i = taken++; i < num_items;) {
-      const int64_t next = taken++;
-      attend_item(a, items[i], next < num_items ? &items[next] : nullptr, scratch);
-      i = next;
-    }
+  if (a.k_scales != nullptr) {
+    attend_items<T, int8_t>(a, items, max_rows, decode_heads);
+  } else {
+    attend_items<T, T>(a, items, max_rows, decode_heads);
   }
 }
 

@@ -43,24 +43,47 @@ void dispatch_float(const at::Tensor& t, F&& f) {
 }
 
 // A layer's K and V pools: V [num_blocks, block_size, num_kv_heads, head_dim], K the same or, bfloat16 where the
-// build has AVX512-BF16, in pairs [num_blocks, num_kv_heads, head_dim / 2, block_size, 2] (ops.h, kPairedK).
+// build has AVX512-BF16, in pairs [num_blocks, num_kv_heads, head_dim / 2, block_size, 2] (ops.h, kPairedK); or
+// int8 pools, both in rows, with float32 scale pools [num_blocks, block_size, num_kv_heads].
 struct PoolShape {
   int64_t num_blocks, block_size, num_kv_heads, head_dim;
   bool paired_k;
+  bool is_int8;
   bool operator==(const PoolShape& o) const {
     return num_blocks == o.num_blocks && block_size == o.block_size && num_kv_heads == o.num_kv_heads &&
-           head_dim == o.head_dim && paired_k == o.paired_k;
+           head_dim == o.head_dim && paired_k == o.paired_k && is_int8 == o.is_int8;
   }
 };
 
-PoolShape pool_shape(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& like) {
+using OptionalTensor = c10::optional<at::Tensor>;
+
+// The pools of `like`'s dtype, or int8 pools when their scale pools (both) are given.
+PoolShape pool_shape(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& like,
+                     const OptionalTensor& k_scales = {}, const OptionalTensor& v_scales = {}) {
+  TORCH_CHECK(k_scales.has_value() == v_scales.has_value(), "k_scales and v_scales must be given together");
+  const bool is_int8 = k_scales.has_value();
   for (const auto& [pool, name] : {std::pair{&k_pool, "k_pool"}, std::pair{&v_pool, "v_pool"}}) {
-    check_cpu(*pool, name);
-    check_same_dtype(*pool, like, name);
+    if (is_int8) {
+      TORCH_CHECK(pool->device().is_cpu() && pool->scalar_type() == at::kChar, name,
+                  " must be an int8 CPU tensor (scale pools were given), got ", pool->scalar_type());
+    } else {
+      check_cpu(*pool, name);
+      check_same_dtype(*pool, like, name);
+    }
     TORCH_CHECK(pool->is_contiguous(), name, " must be contiguous");
   }
   TORCH_CHECK(v_pool.dim() == 4, "v_pool must be [num_blocks, block_size, num_kv_heads, head_dim]");
-  const PoolShape shape{v_pool.size(0), v_pool.size(1), v_pool.size(2), v_pool.size(3), k_pool.dim() == 5};
+  const PoolShape shape{v_pool.size(0), v_pool.size(1), v_pool.size(2), v_pool.size(3), k_pool.dim() == 5, is_int8};
+  if (is_int8) {
+    TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "int8 k_pool and v_pool shapes differ");
+    for (const auto& [scales, name] : {std::pair{&*k_scales, "k_scales"}, std::pair{&*v_scales, "v_scales"}}) {
+      TORCH_CHECK(scales->device().is_cpu() && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                      scales->sizes() == v_pool.sizes().slice(0, 3),
+                  name, " must be a contiguous float32 CPU tensor [num_blocks, block_size, num_kv_heads] = ",
+                  v_pool.sizes().slice(0, 3), ", got ", scales->scalar_type(), " ", scales->sizes());
+    }
+    return shape;
+  }
   if (!shape.paired_k) {
     TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "k_pool and v_pool shapes differ");
     return shape;
@@ -159,9 +182,9 @@ const T* optional_ptr(const c10::optional<at::Tensor>& t) {
 
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor v_pool, at::Tensor block_tables,
                      at::Tensor cu_seqlens_q, at::Tensor positions, double scale, int64_t sliding_window,
-                     double softcap) {
+                     double softcap, const OptionalTensor& k_scales, const OptionalTensor& v_scales) {
   const int64_t q_stride = rows_stride(q, "q");
-  const PoolShape pools = pool_shape(k_pool, v_pool, q);
+  const PoolShape pools = pool_shape(k_pool, v_pool, q, k_scales, v_scales);
   check_like(out, q, "out", "q");
   AttentionBatch batch = attention_batch(q.size(0), q.size(1), q.size(2), pools, block_tables, cu_seqlens_q,
                                          positions, scale, sliding_window, softcap);
@@ -171,6 +194,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_pool, at::Tensor
   args.q_token_stride = q_stride;
   args.k_pool = k_pool.data_ptr();
   args.v_pool = v_pool.data_ptr();
+  args.k_scales = optional_ptr<float>(k_scales);
+  args.v_scales = optional_ptr<float>(v_scales);
   dispatch_float(q, [&](auto zero) { rill_cpu::paged_attention<decltype(zero)>(args); });
 }
 
@@ -184,16 +209,23 @@ at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t num_tokens, int
   return slots;
 }
 
-void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping) {
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_pool, at::Tensor v_pool, at::Tensor slot_mapping,
+              const OptionalTensor& k_scales, const OptionalTensor& v_scales) {
   const int64_t k_stride = rows_stride(k, "k");
   const int64_t v_stride = rows_stride(v, "v");
-  const PoolShape pools = pool_shape(k_pool, v_pool, k);
+  const PoolShape pools = pool_shape(k_pool, v_pool, k, k_scales, v_scales);
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v.sizes() == k.sizes(), "k and v must match");
   TORCH_CHECK(k.size(1) == pools.num_kv_heads && k.size(2) == pools.head_dim, "k rows do not match the pool");
   const at::Tensor slots = checked_slots(slot_mapping, k.size(0), pools.num_blocks * pools.block_size);
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   dispatch_float(k, [&](auto zero) {
     using T = decltype(zero);
+    if (pools.is_int8) {
+      rill_cpu::store_kv_int8(ptr<const T>(k), k_stride, ptr<const T>(v), v_stride, ptr<int8_t>(k_pool),
+                              ptr<int8_t>(v_pool), k_scales->data_ptr<float>(), v_scales->data_ptr<float>(), slot_ptr,
+                              k.size(0), pools.num_kv_heads, pools.head_dim, num_threads());
+      return;
+    }
     rill_cpu::store_kv(ptr<const T>(k), k_stride, ptr<const T>(v), v_stride, ptr<T>(k_pool), ptr<T>(v_pool),
                        slot_ptr, k.size(0), pools.num_kv_heads, pools.head_dim, pools.block_size, pools.paired_k,
                        num_threads());
@@ -462,13 +494,16 @@ class DecoderStack {
   // hidden [num_tokens, hidden] and residual (None: hidden is also the residual, as for the model's first layer),
   // as LlamaDecoderLayer.forward takes them; positions [num_tokens]; cos, sin [num_tokens, head_dim / 2] in the
   // stack's dtype; one K and one V pool per layer; block_tables, cu_seqlens_q and slot_mapping as for
-  // paged_attention and store_kv. Writes every layer's new K/V and returns the last layer's (hidden, residual).
+  // paged_attention and store_kv; k_scales, v_scales: one scale pool per layer for int8 pools, else empty. Writes
+  // every layer's new K/V and returns the last layer's (hidden, residual).
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
                                              const at::Tensor& positions, const at::Tensor& cos,
                                              const at::Tensor& sin, const std::vector<at::Tensor>& k_pools,
                                              const std::vector<at::Tensor>& v_pools, const at::Tensor& block_tables,
                                              const at::Tensor& cu_seqlens_q, const at::Tensor& slot_mapping,
-                                             const c10::optional<at::Tensor>& lora_slots) const {
+                                             const c10::optional<at::Tensor>& lora_slots,
+                                             const std::vector<at::Tensor>& k_scales,
+                                             const std::vector<at::Tensor>& v_scales) const {
     check_cpu(hidden, "hidden");
     TORCH_CHECK(hidden.scalar_type() == dtype_, "hidden must be ", dtype_, ", got ", hidden.scalar_type());
     TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_ && hidden.is_contiguous(),
@@ -484,9 +519,17 @@ class DecoderStack {
     TORCH_CHECK(static_cast<int64_t>(k_pools.size()) == num_layers &&
                     static_cast<int64_t>(v_pools.size()) == num_layers,
                 "need one K and one V pool per layer (", num_layers, ")");
-    const PoolShape pools = pool_shape(k_pools[0], v_pools[0], hidden);
+    const bool is_int8 = !k_scales.empty() || !v_scales.empty();
+    TORCH_CHECK(!is_int8 || (static_cast<int64_t>(k_scales.size()) == num_layers &&
+                             static_cast<int64_t>(v_scales.size()) == num_layers),
+                "int8 pools need one K and one V scale pool per layer (", num_layers, ")");
+    const auto layer_pools = [&](int64_t l) {
+      return is_int8 ? pool_shape(k_pools[l], v_pools[l], hidden, k_scales[l], v_scales[l])
+                     : pool_shape(k_pools[l], v_pools[l], hidden);
+    };
+    const PoolShape pools = layer_pools(0);
     for (int64_t l = 1; l < num_layers; ++l) {
-      TORCH_CHECK(pool_shape(k_pools[l], v_pools[l], hidden) == pools, "every layer's pools must have the same shape");
+      TORCH_CHECK(layer_pools(l) == pools, "every layer's pools must have the same shape");
     }
     AttentionBatch batch = attention_batch(tokens, num_heads_, head_dim_, pools, block_tables, cu_seqlens_q,
                                            positions, scale_, 0, 0.0);
@@ -509,6 +552,8 @@ class DecoderStack {
 #undef RILL_SET_POINTER
       layer.k_pool = k_pools[l].data_ptr();
       layer.v_pool = v_pools[l].data_ptr();
+      layer.k_scales = is_int8 ? k_scales[l].data_ptr<float>() : nullptr;
+      layer.v_scales = is_int8 ? v_scales[l].data_ptr<float>() : nullptr;
       layer.sliding_window = w.sliding_window;
       const auto rank = [](const c10::optional<at::Tensor>& b) { return b.has_value() ? b->size(2) : 0; };
       layer.qkv_lora_rank = rank(w.qkv_lora_b);

@@ -82,11 +82,19 @@ void decoder_stack(const DecoderStackArgs& a) {
     project<T>(normed, layer.qkv, layer.qkv_bias, qkv_lora, qkv, tokens, hidden, qkv_size, threads);
     rotary_embedding<T>(qkv, qkv_size, attention.num_heads, qkv + q_size, qkv_size, attention.num_kv_heads,
                         as<T>(a.cos), as<T>(a.sin), tokens, head_dim, threads);
-    store_kv<T>(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, as<T>(layer.k_pool),
-                as<T>(layer.v_pool), a.slots, tokens, attention.num_kv_heads, head_dim, attention.block_size,
-                attention.paired_k, threads);
+    if (layer.k_scales != nullptr) {
+      store_kv_int8<T>(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, as<int8_t>(layer.k_pool),
+                       as<int8_t>(layer.v_pool), layer.k_scales, layer.v_scales, a.slots, tokens,
+                       attention.num_kv_heads, head_dim, threads);
+    } else {
+      store_kv<T>(qkv + q_size, qkv_size, qkv + q_size + kv_size, qkv_size, as<T>(layer.k_pool),
+                  as<T>(layer.v_pool), a.slots, tokens, attention.num_kv_heads, head_dim, attention.block_size,
+                  attention.paired_k, threads);
+    }
     attention.k_pool = layer.k_pool;
     attention.v_pool = layer.v_pool;
+    attention.k_scales = layer.k_scales;
+    attention.v_scales = layer.v_scales;
     attention.sliding_window = layer.sliding_window;
     paged_attention<T>(attention);
     const Lora o_proj_lora{layer.o_proj_lora_a, layer.o_proj_lora_b, layer.o_proj_lora_rank, a.lora_slots,

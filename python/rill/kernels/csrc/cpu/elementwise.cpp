@@ -31,6 +31,41 @@ void store_kv(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_st
   }
 }
 
+namespace {
+
+// One row of head_dim elements into int8: the float32 operations of quantize_int8, element by element (each is
+// correctly rounded, so the bits are torch's).
+template <typename T>
+void quantize_row(const T* x, int64_t head_dim, int8_t* q, float* scale) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(to_float(x[d])));
+  const float s = amax / 127.0f;
+  *scale = s;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    // nearbyint rounds half to even in the default rounding mode, as torch.round does.
+    const float r = s > 0.0f ? std::nearbyint(to_float(x[d]) / s) : 0.0f;
+    q[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void store_kv_int8(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, int8_t* k_pool,
+                   int8_t* v_pool, float* k_scales, float* v_scales, const int64_t* slots, int64_t num_tokens,
+                   int64_t num_kv_heads, int64_t head_dim, int num_threads) {
+  const int64_t row_elems = num_kv_heads * head_dim;
+#pragma omp parallel for num_threads(threads_for(num_tokens * row_elems, num_threads))
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t row = slots[t] * num_kv_heads + h;
+      quantize_row(k + t * k_token_stride + h * head_dim, head_dim, k_pool + row * head_dim, k_scales + row);
+      quantize_row(v + t * v_token_stride + h * head_dim, head_dim, v_pool + row * head_dim, v_scales + row);
+    }
+  }
+}
+
 template <typename T>
 void fused_add_rms_norm(T* out, T* residual_out, const T* x, const T* residual, const T* weight,
                         int64_t num_rows, int64_t hidden, float eps, int num_threads) {
@@ -131,6 +166,8 @@ void silu_and_mul(T* out, const T* x, int64_t num_tokens, int64_t intermediate, 
 #define RILL_INSTANTIATE(T)                                                                                    \
   template void store_kv<T>(const T*, int64_t, const T*, int64_t, T*, T*, const int64_t*, int64_t, int64_t,   \
                             int64_t, int64_t, bool, int);                                                     \
+  template void store_kv_int8<T>(const T*, int64_t, const T*, int64_t, int8_t*, int8_t*, float*, float*,      \
+                                 const int64_t*, int64_t, int64_t, int64_t, int);                             \
   template void fused_add_rms_norm<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t, float, int);     \
   template void rotary_embedding<T>(T*, int64_t, int64_t, T*, int64_t, int64_t, const T*, const T*, int64_t,  \
                                     int64_t, int);                                                            \

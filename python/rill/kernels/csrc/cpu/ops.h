@@ -19,6 +19,10 @@ struct PagedAttentionArgs {
   int64_t q_token_stride;
   const void* k_pool;        // [num_blocks, block_size, num_kv_heads, head_dim], contiguous; or in pairs (paired_k)
   const void* v_pool;
+  // int8 pools: the float32 scale of each (slot, KV head) row, [num_blocks, block_size, num_kv_heads]; the pools
+  // then hold int8 (row ~ int8 row * scale), in rows. Null: the pools hold T.
+  const float* k_scales;
+  const float* v_scales;
   int64_t block_size;
   int64_t num_kv_heads;
   int64_t num_heads;
@@ -53,6 +57,15 @@ template <typename T>
 void store_kv(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, T* k_pool, T* v_pool,
               const int64_t* slots, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
               bool paired_k, int num_threads);
+
+// store_kv into int8 pools: each row of one KV head ([head_dim] elements of k or v) is quantized in float32, scale =
+// amax(|x|) / 127, q = round-half-even(x / scale) clamped to [-127, 127] (q = 0 where scale is 0), as
+// rill.shard.kv_cache.quantize_int8 does; q into the pool's slot, scale into the scale pool ([num_slots,
+// num_kv_heads]). Negative slots are skipped.
+template <typename T>
+void store_kv_int8(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, int8_t* k_pool,
+                   int8_t* v_pool, float* k_scales, float* v_scales, const int64_t* slots, int64_t num_tokens,
+                   int64_t num_kv_heads, int64_t head_dim, int num_threads);
 
 // residual_out = x + residual (rounded to T; skipped when residual is null, then x is normalized);
 // out = weight * T(s * rsqrt(mean(s^2) + eps)) in T arithmetic, as RMSNorm in rill/shard/layers/norm.py.
@@ -139,6 +152,8 @@ struct DecoderLayer {
   int64_t down_lora_rank;
   void* k_pool;            // this layer's pools, as for paged_attention
   void* v_pool;
+  float* k_scales;         // int8 pools: their scale pools (null: pools of T)
+  float* v_scales;
   int64_t sliding_window;  // 0: the layer sees every earlier position
 };
 

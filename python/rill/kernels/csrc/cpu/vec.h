@@ -71,6 +71,9 @@ inline Vec16 load(const bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
+inline Vec16 load(const int8_t* p) {  // an int8 KV row's values, exactly
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline void store(float* p, Vec16 a) { _mm512_storeu_ps(p, a.v); }
 // Lane i: the bfloat16 bits of a[i] in the low half, rounded as from_float<bf16> rounds.
 inline __m512i bf16_bits(Vec16 a) {
@@ -155,6 +158,10 @@ inline __m256 widen_bf16(const bf16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 inline Vec16 load(const bf16* p) { return {widen_bf16(p), widen_bf16(p + 8)}; }
+inline __m256 widen_int8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec16 load(const int8_t* p) { return {widen_int8(p), widen_int8(p + 8)}; }  // exactly
 inline void store(float* p, Vec16 a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
@@ -257,6 +264,11 @@ template <typename T>
 inline Vec16 load(const T* p) {
   Vec16 r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = to_float(p[i]);
+  return r;
+}
+inline Vec16 load(const int8_t* p) {
+  Vec16 r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
   return r;
 }
 inline void store(float* p, Vec16 a) { std::memcpy(p, a.v, sizeof a.v); }
