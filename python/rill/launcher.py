@@ -231,7 +231,9 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     if args.attention_backend in ("cpu", "cuda") and device != args.attention_backend:
         parser.error(f"--attention-backend {args.attention_backend} needs --device {args.attention_backend}")
     if args.kv_cache_dtype == "int8" and device == "cuda" and args.attention_backend != "torch":
-        parser.error("--kv-cache-dtype int8 needs the CPU kernels or --attention-backend torch (cuda's have none)")
+        parser.error(
+            "--kv-cache-dtype int8 needs the CPU kernels or --attention-backend torch (cuda's have none)"
+        )
     if args.max_loras < 0 or args.max_lora_rank < 1:
         parser.error(
             f"--max-loras must be >= 0 and --max-lora-rank >= 1, "

@@ -138,7 +138,8 @@ class KernelOps(abc.ABC):
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of every query row q [num_tokens, num_heads, head_dim] through the paged pools,
-        for the whole batch in one call; int8 pools are read with their scale pools (as for `store_kv`). A query at position p sees its sequence's keys 0..p (with
+        for the whole batch in one call; int8 pools are read with their scale pools (as for `store_kv`). A
+        query at position p sees its sequence's keys 0..p (with
         sliding_window > 0 only those > p - sliding_window, and keys before that window are never read); with
         softcap > 0, scores become softcap * tanh(score / softcap). Query head h reads KV head h // (num_heads
         / num_kv_heads). Returns [num_tokens, num_heads, head_dim] in q's dtype."""

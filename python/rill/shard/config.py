@@ -85,9 +85,7 @@ class ShardConfig:
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

@@ -25,10 +25,12 @@ import torch
 from rill.kernels import cpu as cpu_kernels
 from rill.kernels.ops import KernelOps
 
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (int8 rows [..., head_dim], float32 scales [...]): per row, scale = amax(|x|) / 127
-    and q = round-half-even(x / scale) in float32 (clamped to [-127, 127], which only a subnormal scale can
-    leave), q = 0 where scale is 0. The CPU kernels' store_kv does these float32 operations in this order."""
+    """x [..., head_dim] -> (int8 rows [..., head_dim], float32 scales [...]): per row, scale = amax(|x|) /
+    127 and q = round-half-even(x / scale) in float32 (clamped to [-127, 127], which only a subnormal scale
+    can leave), q = 0 where scale is 0. The CPU kernels' store_kv does these float32 operations in this
+    order."""
     x = x.float()
     scale = x.abs().amax(dim=-1) / 127
     divisor = scale.unsqueeze(-1)
@@ -53,8 +55,8 @@ class KVCache:
         device: torch.device,
         ops: KernelOps | None = None,
     ) -> None:
-        """dtype: the pools' (the model's, or torch.int8 for quantized pools with scale pools); ops: the kernels
-        that read and write the pools, in their layout (None: the torch references')."""
+        """dtype: the pools' (the model's, or torch.int8 for quantized pools with scale pools); ops: the
+        kernels that read and write the pools, in their layout (None: the torch references')."""
         if num_blocks < 2:
             raise ValueError(
                 f"the KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
@@ -65,7 +67,8 @@ class KVCache:
         k_shape = shape if ops is None else ops.k_pool_shape(*shape, dtype)
         self.k = [self._zeros(k_shape, dtype, device) for _ in range(num_layers)]
         self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
-        # int8 pools only: the float32 scale of each (slot, KV head) row, [num_blocks, block_size, num_kv_heads].
+        # int8 pools only: the float32 scale of each (slot, KV head) row, [num_blocks, block_size,
+        # num_kv_heads].
         num_scale_layers = num_layers if dtype == torch.int8 else 0
         self.k_scale = [self._zeros(shape[:3], torch.float32, device) for _ in range(num_scale_layers)]
         self.v_scale = [self._zeros(shape[:3], torch.float32, device) for _ in range(num_scale_layers)]
@@ -170,8 +173,8 @@ class KVCache:
 
     def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatters k, v of shape [num_tokens, num_kv_heads, head_dim] into the flat slots `slot_mapping` (the
-        torch reference; a pool in a kernel layout is written by the kernels' store_kv). int8 pools: quantized by
-        `quantize_int8`, the scales into the scale pools."""
+        torch reference; a pool in a kernel layout is written by the kernels' store_kv). int8 pools: quantized
+        by `quantize_int8`, the scales into the scale pools."""
         if self.k[layer].shape != self.v[layer].shape:
             raise RuntimeError("this K pool is in the kernels' layout: only their store_kv writes it")
         k_slots = self.k[layer].view(self.num_slots, *self.k[layer].shape[2:])

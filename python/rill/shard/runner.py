@@ -146,17 +146,17 @@ class ModelRunner:
         """`--attention-backend`: auto runs the device's kernels when they can run this model here (else the
         torch references, with a log line saying why); cpu or cuda insist (an error when they cannot); torch
         always runs the references (None). The kernels are built (once, cached) or loaded here. A
-        --kv-cache-dtype the device's kernels do not take (int8 on cuda) is an error whatever the backend asked
-        for, unless it is torch."""
+        --kv-cache-dtype the device's kernels do not take (int8 on cuda) is an error whatever the backend
+        asked for, unless it is torch."""
         requested = self.config.attention_backend
         if requested == "torch":
             return None
         ops: KernelOps = GpuOps() if self.device.type == "cuda" else CpuOps()
         if self.config.kv_cache_dtype not in ops.kv_cache_dtypes:
             raise ValueError(
-                f"--kv-cache-dtype {self.config.kv_cache_dtype} is not supported by the {ops.name} kernels "
-                f"(they take {', '.join(ops.kv_cache_dtypes)}); the CPU kernels and --attention-backend torch "
-                "take int8"
+                f"--kv-cache-dtype {self.config.kv_cache_dtype} is not supported by the {ops.name} "
+                f"kernels (they take {', '.join(ops.kv_cache_dtypes)}); the CPU kernels and "
+                "--attention-backend torch take int8"
             )
         reasons = unsupported_reasons(self.model, ops)
         if not reasons:

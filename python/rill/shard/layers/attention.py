@@ -13,9 +13,10 @@ has a fixed key count (a tile is zero-padded past the context) and a row count p
 ROW_MULTIPLE. Plain softmax over the whole row and F.scaled_dot_product_attention are not (measured).
 
 Kernels (backend.py): with ops, the layer stores its K/V and attends in two calls of them
-(`KernelOps.store_kv`, `KernelOps.paged_attention`, with the scale pools of an int8 KV pool) for the whole batch; the CPU kernels are batch-invariant
-in the same sense (docs/kernels.md), the CUDA ones are not across batch shapes (their decode split count
-depends on the batch), as the GPU's bf16 GEMMs are not either.
+(`KernelOps.store_kv`, `KernelOps.paged_attention`, with the scale pools of an int8 KV pool) for the whole
+batch; the CPU kernels are batch-invariant in the same sense (docs/kernels.md), the CUDA ones are not across
+batch shapes (their decode split count depends on the batch), as the GPU's bf16 GEMMs are not either. The
+reference reads an int8 pool dequantized (`KVCache.rows`).
 """
 
 from __future__ import annotations
