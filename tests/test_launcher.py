@@ -62,6 +62,7 @@ def test_model_defaults_to_the_built_in_model(tmp_path: Path, monkeypatch: pytes
         ("--device", "cpu", "device", "cpu"),
         ("--dtype", "bfloat16", "dtype", "bfloat16"),
         ("--kv-block-size", "32", "kv_block_size", 32),
+        ("--kv-cache-dtype", "int8", "kv_cache_dtype", "int8"),
         ("--num-threads", "3", "num_threads", 3),
         ("--otlp-endpoint", "http://collector:4318", "otlp_endpoint", "http://collector:4318"),
         ("--log-level", "DEBUG", "log_level", "debug"),
@@ -137,6 +138,8 @@ def test_the_launcher_sets_the_shard_sockets(model_dir: Path, capsys: pytest.Cap
         (["--dtype", "int8"], {}, "--dtype must be float32, bfloat16 or float16"),
         (["--restart-shards=maybe"], {}, "expected true or false"),
         (["--log-level", "loud"], {}, "--log-level must be"),
+        (["--kv-cache-dtype", "fp8"], {}, "--kv-cache-dtype must be auto or int8"),
+        (["--kv-cache-dtype", "int8", "--device", "cuda"], {}, "--kv-cache-dtype int8 needs the CPU kernels"),
     ],
 )
 def test_bad_flags_get_a_clear_error(
@@ -173,8 +176,12 @@ def test_router_bin_falls_back_to_the_cargo_build(tmp_path: Path, monkeypatch: p
 
 def test_shard_command(model_dir: Path) -> None:
     config = parse(
-        model_dir, "--num-threads", "2", "--kv-block-size", "32", "--otlp-endpoint", "http://c:4318"
-    )
+        model_dir,
+        "--num-threads", "2",
+        "--kv-block-size", "32",
+        "--kv-cache-dtype", "int8",
+        "--otlp-endpoint", "http://c:4318",
+    )  # fmt: skip
     assert launcher.shard_command(config, Path("/run/x/shard-0.sock"), 0) == [
         sys.executable, "-m", "rill.shard.server",
         "--model-id", str(model_dir),
@@ -185,12 +192,12 @@ def test_shard_command(model_dir: Path) -> None:
         "--world-size", "1",
         "--attention-backend", "auto",
         "--kv-block-size", "32",
+        "--kv-cache-dtype", "int8",
         "--num-threads", "2",
         "--otlp-endpoint", "http://c:4318",
     ]  # fmt: skip
-    assert "--kv-block-size" not in launcher.shard_command(parse(model_dir), Path("/s"), 0), (
-        "the shard's default"
-    )
+    default = launcher.shard_command(parse(model_dir), Path("/s"), 0)
+    assert "--kv-block-size" not in default and "--kv-cache-dtype" not in default, "the shard's defaults"
 
 
 def test_a_draft_model_gets_one_shard_of_its_own(model_dir: Path, tmp_path: Path) -> None:

@@ -82,6 +82,7 @@ def make_runner(
     max_total_kv_tokens: int = 1024,
     attention_backend: str = "auto",
     dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     config = ShardConfig(
         model_path=path,
@@ -89,6 +90,7 @@ def make_runner(
         block_size=block_size,
         attention_backend=attention_backend,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
     )
     runner = ModelRunner(config)
     runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=max_total_kv_tokens)

@@ -1,7 +1,8 @@
 """The one-call decoder stack (rill.kernels.cpu.decoder_stack, installed by the runner as FusedDecoderLayers)
 against the per-layer modules on the CPU kernels: bitwise the same logits and the same K/V written, for
 prefill, chunked and decode rows in one batch, with biases (Qwen2) and sliding windows (Mistral), in float32
-and bfloat16; used exactly where it applies, by what a layer computes rather than by its class."""
+and bfloat16, over KV pools of the model's dtype and int8 ones; used exactly where it applies, by what a layer
+computes rather than by its class."""
 
 from __future__ import annotations
 
@@ -60,12 +61,18 @@ def three_calls(runner: ModelRunner) -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("dtype", dtypes())
 @pytest.mark.parametrize("name", list(MODELS))
-def test_stack_is_bitwise_the_layer_modules(tmp_path: Path, name: str, dtype: str) -> None:
+def test_stack_is_bitwise_the_layer_modules(
+    tmp_path: Path, name: str, dtype: str, kv_cache_dtype: str
+) -> None:
     model_type, overrides = MODELS[name]
     path = save_tiny_model(tmp_path / name, model_type=model_type, **overrides)
-    runners = [make_runner(path, attention_backend="cpu", dtype=dtype) for _ in range(2)]
+    runners = [
+        make_runner(path, attention_backend="cpu", dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        for _ in range(2)
+    ]
     num_layers = len(runners[0].model.model.layers)
     assert len(fused_runs(runners[0])) == 1, "one run: every layer of a plain Llama-family model"
     unfuse(runners[1])
@@ -75,8 +82,10 @@ def test_stack_is_bitwise_the_layer_modules(tmp_path: Path, name: str, dtype: st
         assert torch.equal(a, b), f"call {call}: max diff {(a - b).abs().max().item()}"
     caches = [runner.kv_cache for runner in runners]
     assert caches[0] is not None and caches[1] is not None
-    for layer, (k, v) in enumerate(zip(caches[0].k, caches[0].v, strict=True)):
-        assert torch.equal(k, caches[1].k[layer]) and torch.equal(v, caches[1].v[layer]), f"layer {layer}"
+    assert caches[0].is_int8 == (kv_cache_dtype == "int8")
+    for (pools, _), (other_pools, _) in zip(caches[0].pool_pairs(), caches[1].pool_pairs(), strict=True):
+        for layer, (pool, other) in enumerate(zip(pools, other_pools, strict=True)):
+            assert torch.equal(pool, other), f"layer {layer}"  # K, V (and their int8 scales)
 
 
 def test_stack_is_used_only_where_it_applies(tmp_path: Path) -> None:
@@ -112,7 +121,8 @@ def test_stack_rejects_pools_that_do_not_match(tmp_path: Path) -> None:
     stack, cache = run.kernel, runner.kv_cache
     hidden = torch.zeros(1, 64)
     cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
-    metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]), None)  # no LoRA slots
+    # No LoRA slots, no int8 scale pools.
+    metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]), None, [], [])
     with pytest.raises(RuntimeError, match="one K and one V pool per layer"):
         stack.forward(hidden, None, torch.tensor([0]), cos, sin, cache.k[:1], cache.v[:1], *metadata)
     with pytest.raises(RuntimeError, match="outside the pool"):
