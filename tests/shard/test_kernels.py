@@ -101,7 +101,7 @@ def test_a_head_dim_the_cpu_kernel_cannot_run_keeps_the_references(tmp_path):
 def choose_ops_on_cuda(runner, attention_backend: str):
     """`ModelRunner._choose_ops` as a runner of this model on a CUDA device would run it."""
     fake = SimpleNamespace(
-        config=SimpleNamespace(attention_backend=attention_backend),
+        config=SimpleNamespace(attention_backend=attention_backend, kv_cache_dtype="auto"),
         device=torch.device("cuda"),
         model=runner.model,
     )
