@@ -25,7 +25,7 @@ from rill.shard.config import ShardConfig
 from rill.shard.kv_cache import KVCache, dequantize_int8, quantize_int8
 from rill.shard.runner import ModelRunner
 
-from bench.kernel_cases import AttentionCase, make_case, max_relative_error
+from bench.kernel_cases import AttentionCase, make_case, max_relative_error, plain_attention
 from tests.shard.conftest import chunk, logits_of, save_tiny_model
 from tests.shard.test_cpu_kernels import BATCHES, TOLERANCE, metadata, reference_attention
 
@@ -141,6 +141,29 @@ def test_attention_over_int8_pools_matches_the_reference(block_size, group, batc
     cache.v[0].copy_(case.v_pool)
     cache.store_kv(0, case.k, case.v, case.slot_mapping)
     assert max_relative_error(out, reference_attention(case, cache.k[0], cache.v[0])) < 3e-2
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(16, 0.0), (50, 5.0)])
+def test_sliding_window_and_softcap_over_int8_pools_match_plain_torch(window: int, softcap: float) -> None:
+    case = make_case([1, 60, 1, 12], [65, 60, 200, 90], 6, 2, 64, 16, torch.float32, device="cpu", seed=3)
+    k, v, k_scale, v_scale = stored(case, use_kernel=True)
+    out = OPS.paged_attention(
+        case.q, k, v, case.metadata(), case.scale, window, softcap, k_scale=k_scale, v_scale=v_scale
+    )
+    keys, values = dequantize_int8(k, k_scale), dequantize_int8(v, v_scale)
+    for i, context_len in enumerate(case.context_lens):
+        start, end = case.cu_seqlens_q[i], case.cu_seqlens_q[i + 1]
+        blocks = case.block_tables[i, : -(-context_len // 16)]
+        expected = plain_attention(
+            case.q[start:end],
+            keys[blocks].flatten(0, 1)[:context_len],
+            values[blocks].flatten(0, 1)[:context_len],
+            case.positions[start:end],
+            case.scale,
+            window,
+            softcap,
+        )
+        assert max_relative_error(out[start:end], expected) < TOLERANCE[torch.float32]
 
 
 def test_the_layer_reads_int8_pools_through_the_reference_and_the_kernels_alike() -> None:
