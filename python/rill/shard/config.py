@@ -9,6 +9,8 @@ import torch
 
 from rill.shard.memory import CGROUP_ROOT
 
+# `--quantize`: the types float weights may be quantized to at load (llama.cpp's, by its names).
+QUANTIZE_TYPES = ("q8_0", "q4_0")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -52,6 +54,7 @@ class ShardConfig:
     cgroup_root: Path = CGROUP_ROOT
     max_loras: int = 0
     max_lora_rank: int = 16
+    quantize: str | None = None  # a QUANTIZE_TYPES type: float weights quantized at load (CPU, one rank)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -80,6 +83,10 @@ class ShardConfig:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_TYPES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_TYPES}, got {self.quantize!r}")
+        if self.quantize is not None and (self.device != "cpu" or self.world_size != 1 or self.dtype != "float32"):
+            raise ValueError("quantize needs the cpu, one shard and float32 activations")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

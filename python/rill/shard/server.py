@@ -25,7 +25,7 @@ import torch
 
 from rill.shard import distributed
 from rill.shard.batch import BlockCopy, ForwardRequest, Generation, SequenceChunk
-from rill.shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, ShardConfig
+from rill.shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, QUANTIZE_TYPES, ShardConfig
 from rill.shard.memory import CGROUP_ROOT
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.runner import LoraOffError, ModelRunner, NotReadyError
@@ -299,6 +299,13 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
     )
     parser.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_TYPES,
+        default=None,
+        help="quantize float weights at load: the decoder layers' projections to this type, the embedding and "
+        "LM head to q8_0 (cpu, one shard)",
+    )
+    parser.add_argument(
         "--num-threads",
         type=int,
         default=0,
@@ -369,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             cgroup_root=args.cgroup_root,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            quantize=args.quantize,
         )
     except ValueError as error:
         parser.error(str(error))
