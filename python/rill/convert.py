@@ -169,7 +169,9 @@ def is_converted(model_dir: Path, source_marker: dict | None = None) -> bool:
     return (
         all(marker.get(key) == value for key, value in expected.items())
         and marker.get("converter_version") == CONVERTER_VERSION
-        and all((model_dir / name).is_file() for name in (*MODEL_FILE_NAMES[:2], weights, *MODEL_FILE_NAMES[3:]))
+        and all(
+            (model_dir / name).is_file() for name in (*MODEL_FILE_NAMES[:2], weights, *MODEL_FILE_NAMES[3:])
+        )
     )
 
 

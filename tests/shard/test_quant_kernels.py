@@ -1,8 +1,9 @@
 """The CPU kernels on quantized weights (quant.cpp): every ggml type they take, against independent oracles.
 
 - `dequantize_rows` equals the `gguf` package's numpy de-quantization bitwise.
-- `linear` on a quantized matrix equals `rill.kernels.quant.reference_linear` (x quantized per row as the
-  kernels do, times the de-quantized weight, in float64) within float32 rounding of its sums.
+- `linear` on a quantized matrix, with float32 activations or int8 ones (`CpuOps(int8_activations=True)`),
+  equals `rill.kernels.quant.reference_linear` (x, or x quantized per row as the kernels do, times the
+  de-quantized weight, in float64) within float32 rounding of its sums.
 - A row's bits do not depend on the batch (1 to 600 rows), the thread count, nor the path (the portable C++
   and the AVX2 one are bitwise equal); a matrix of mixed parts is its parts' products side by side.
 """
@@ -16,6 +17,8 @@ from rill.kernels import cpu as cpu_kernels
 from rill.kernels.quant import QTYPES, QuantizedTensor, dequantize, quantize, reference_linear
 
 OPS = cpu_kernels.CpuOps()
+INT8 = cpu_kernels.CpuOps(int8_activations=True)
+BOTH = pytest.mark.parametrize("ops", [OPS, INT8], ids=["float-activations", "int8-activations"])
 # Byte offsets of each block's float16 fields: (scale fields, min fields); the rest are quants and int scales.
 HALF_FIELDS = {
     "Q4_0": ([0], []),
@@ -37,13 +40,16 @@ def restore_threads():
 
 
 def random_quantized(qtype: str, rows: int, columns: int, seed: int) -> QuantizedTensor:
-    """Random blocks of `qtype` whose float16 scales are of a trained model's size (random quants, int scales)."""
+    """Random blocks of `qtype` whose float16 scales are of a trained model's size (random quants and int
+    scales)."""
     _, block, block_bytes = QTYPES[qtype]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows * columns // block, block_bytes), dtype=np.uint8)
     scales, mins = HALF_FIELDS[qtype]
     for offset in scales:
-        blocks[:, offset : offset + 2] = rng.uniform(0.002, 0.02, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = (
+            rng.uniform(0.002, 0.02, len(blocks)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        )
     for offset in mins:
         value = rng.uniform(-0.1, 0.1, len(blocks)).astype(np.float16)
         blocks[:, offset : offset + 2] = value.view(np.uint8).reshape(-1, 2)
@@ -65,14 +71,15 @@ def test_dequantize_rows_equals_gguf_bitwise(qtype):
         assert torch.equal(OPS.dequantize_rows(packed, picked), dequantize(weight)[picked])
 
 
+@BOTH
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
-def test_linear_matches_its_exact_value(qtype):
+def test_linear_matches_its_exact_value(qtype, ops):
     for columns in columns_for(qtype):
         weight = random_quantized(qtype, 70, columns, seed=columns + 1)
-        packed = OPS.pack_quantized([weight])
+        packed = ops.pack_quantized([weight])
         x = torch.randn(33, columns, generator=torch.Generator().manual_seed(columns))
-        y = OPS.linear(x, packed, 70)
-        expected = reference_linear(x, [weight])
+        y = ops.linear(x, packed, 70)
+        expected = reference_linear(x, [weight], ops.int8_activations)
         assert y.dtype == torch.float32 and y.shape == (33, 70)
         # float32 sums of exact integer block products: within a few float32 roundings of the sum of the
         # terms' magnitudes.
@@ -87,37 +94,41 @@ def test_int8_activations_stay_close_to_the_float_product(qtype):
     weight = random_quantized(qtype, 64, 1536, seed=5)
     x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(6))
     exact = x.double() @ dequantize(weight).double().T
-    y = OPS.linear(x, OPS.pack_quantized([weight]), 64)
+    y = INT8.linear(x, INT8.pack_quantized([weight]), 64)
     assert ((y.double() - exact).norm() / exact.norm()).item() < 0.02
 
 
+@BOTH
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
-def test_rows_do_not_depend_on_the_batch_threads_or_path(qtype):
+def test_rows_do_not_depend_on_the_batch_threads_or_path(qtype, ops):
     columns = columns_for(qtype)[-1]
     weight = random_quantized(qtype, 96, columns, seed=11)
-    packed = OPS.pack_quantized([weight])
+    packed = ops.pack_quantized([weight])
     x = torch.randn(600, columns, generator=torch.Generator().manual_seed(12))
     torch.set_num_threads(2)
-    full = OPS.linear(x, packed, 96)
+    full = ops.linear(x, packed, 96)
     lib = cpu_kernels.load()
     for rows in (1, 2, 7, 8, 9, 16, 63, 64, 65, 130):
-        assert torch.equal(OPS.linear(x[:rows], packed, 96), full[:rows]), rows
-        assert torch.equal(OPS.linear(x[-rows:], packed, 96), full[-rows:]), rows
+        assert torch.equal(ops.linear(x[:rows], packed, 96), full[:rows]), rows
+        assert torch.equal(ops.linear(x[-rows:], packed, 96), full[-rows:]), rows
     torch.set_num_threads(1)
-    assert torch.equal(OPS.linear(x, packed, 96), full)
+    assert torch.equal(ops.linear(x, packed, 96), full)
     assert torch.equal(lib.quantized_linear(x[:40], packed, portable=True), full[:40])
 
 
-def test_mixed_parts_are_their_products_side_by_side():
+@BOTH
+def test_mixed_parts_are_their_products_side_by_side(ops):
     """A fused q/k/v of a Q4_K_M file mixes types: each part's columns are its own product, bitwise."""
     parts = [random_quantized("Q4_K", 64, 512, 1), random_quantized("Q6_K", 32, 512, 2),
              random_quantized("Q4_K", 32, 512, 3)]  # fmt: skip
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
-    fused = OPS.linear(x, OPS.pack_quantized(parts), 128)
-    alone = torch.cat([OPS.linear(x, OPS.pack_quantized([part]), part.shape[0]) for part in parts], dim=1)
+    fused = ops.linear(x, ops.pack_quantized(parts), 128)
+    alone = torch.cat([ops.linear(x, ops.pack_quantized([part]), part.shape[0]) for part in parts], dim=1)
     assert torch.equal(fused, alone)
     ids = torch.tensor([0, 63, 64, 95, 96, 127])
-    assert torch.equal(OPS.dequantize_rows(OPS.pack_quantized(parts), ids), torch.cat([dequantize(p) for p in parts])[ids])
+    assert torch.equal(
+        OPS.dequantize_rows(OPS.pack_quantized(parts), ids), torch.cat([dequantize(p) for p in parts])[ids]
+    )
 
 
 def test_packed_matrix_holds_the_file_bytes_and_no_more():

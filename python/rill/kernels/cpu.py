@@ -80,9 +80,14 @@ def load(verbose: bool = False) -> ModuleType:
 
 
 class CpuOps(KernelOps):
-    """Every op of `KernelOps`, optional ones included, on the CPU."""
+    """Every op of `KernelOps`, optional ones included, on the CPU. `int8_activations`: quantized weights are
+    multiplied with activations quantized to int8 per row (llama.cpp's way: faster, less exact) rather than
+    float32 ones (the file's quality)."""
 
     name = "cpu"
+
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
 
     def unavailable_reason(self) -> str | None:
         if sources().is_built():
@@ -190,8 +195,9 @@ class CpuOps(KernelOps):
         """In x's dtype (the packed weight's): the same bits for a row in a batch of 1 or 1000 and on any
         number of threads. float32: one fused multiply-add per input, in order; bfloat16: one AVX512-BF16 pair
         product per two inputs into a float32 sum, rounded to bfloat16 once. A quantized weight (uint8, from
-        `pack_quantized`) multiplies float32 x as llama.cpp does, x quantized per row to int8 blocks of 32
-        (quant.cpp; `rill.kernels.quant.reference_linear` is its exact value), with the same invariance."""
+        `pack_quantized`) multiplies float32 x with the same invariance, x as it is or (`int8_activations`)
+        quantized per row to int8 blocks of 32 as llama.cpp does (quant.cpp;
+        `rill.kernels.quant.reference_linear` gives the exact value of either)."""
         if packed.dtype == torch.uint8:
             return load().linear(x, packed, out_features)
         if packed.dtype not in linear_dtypes():
@@ -207,7 +213,9 @@ class CpuOps(KernelOps):
             raise ValueError(f"the parts of a quantized weight must have the same columns, got {columns}")
         qtypes, rows = [p.type_number for p in parts], [p.shape[0] for p in parts]
         packed = empty_huge_pages((lib.quant_packed_bytes(qtypes, rows, parts[0].columns),), torch.uint8)
-        lib.pack_quantized(packed, [(p.type_number, p.data) for p in parts], parts[0].columns)
+        lib.pack_quantized(
+            packed, [(p.type_number, p.data) for p in parts], parts[0].columns, self.int8_activations
+        )
         return packed
 
     def dequantize_rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -169,8 +169,8 @@ class KernelOps(abc.ABC):
         raise NotImplementedError(f"the {self.name} kernels have no linear")
 
     def pack_quantized(self, parts: list[QuantizedTensor]) -> torch.Tensor:
-        """A quantized weight (its parts in row order, `rill.kernels.quant.QuantizedTensor`, up to four, one K)
-        in the layout `linear` and `dequantize_rows` read: `linear` then multiplies it as it is."""
+        """A quantized weight (its parts in row order, `rill.kernels.quant.QuantizedTensor`s, up to four,
+        one K) in the layout `linear` and `dequantize_rows` read: `linear` then multiplies it as it is."""
         raise NotImplementedError(f"the {self.name} kernels have no quantized weights")
 
     def dequantize_rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Quantized weights as GGUF files hold them: rows of ggml blocks, kept as they are.
 
 A `QuantizedTensor` is one such matrix (or a run of its rows): its ggml type and its bytes, uint8 [rows,
-row_bytes]. The CPU kernels multiply a matrix made of up to four of them (a fused q/k/v may mix types) as it is
-(`CpuOps.pack_quantized`, `CpuOps.linear`); this module holds the plain references they are tested against:
+row_bytes]. The CPU kernels multiply a matrix made of up to four of them (a fused q/k/v may mix types) as it
+is (`CpuOps.pack_quantized`, `CpuOps.linear`); this module holds the plain references they are tested against:
 `dequantize` (the `gguf` package's de-quantization, an implementation independent of Rill's), the per-token
 activation quantization the kernels apply, and `reference_linear`, the exact value of the kernels' integer
 product. `quantize` makes Q8_0 / Q4_0 matrices from float weights (`--quantize`).
@@ -93,11 +93,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape), d
 
 
-def reference_linear(x: torch.Tensor, parts: list[QuantizedTensor]) -> torch.Tensor:
-    """x @ w^T as the kernels define it, in float64: x quantized per row (`quantize_activations`) times the
-    de-quantized weight. The kernels compute this sum in float32 (integer block sums, then a chain of fused
-    multiply-adds per output), so they differ from it by float32 rounding only."""
-    q, d = quantize_activations(x.float())
-    x_used = (q.double().reshape(x.shape[0], -1, ACTIVATION_BLOCK) * d.double().unsqueeze(-1)).reshape(x.shape)
+def reference_linear(x: torch.Tensor, parts: list[QuantizedTensor], int8_activations: bool) -> torch.Tensor:
+    """x @ w^T as the kernels define it, in float64: x (or x quantized per row, `quantize_activations`) times
+    the de-quantized weight. The kernels compute this sum in float32 (lane chains of fused multiply-adds per
+    output; with int8 activations over exact integer block sums), so they differ from it by float32 rounding
+    only."""
+    x_used = x.double()
+    if int8_activations:
+        q, d = quantize_activations(x.float())
+        x_used = (q.double().reshape(x.shape[0], -1, ACTIVATION_BLOCK) * d.double().unsqueeze(-1)).reshape(
+            x.shape
+        )
     weight = torch.cat([dequantize(part) for part in parts]).double()
     return x_used @ weight.T

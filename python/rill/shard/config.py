@@ -11,6 +11,7 @@ from rill.shard.memory import CGROUP_ROOT
 
 # `--quantize`: the types float weights may be quantized to at load (llama.cpp's, by its names).
 QUANTIZE_TYPES = ("q8_0", "q4_0")
+QUANTIZED_ACTIVATIONS = ("float32", "int8")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -55,6 +56,7 @@ class ShardConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     quantize: str | None = None  # a QUANTIZE_TYPES type: float weights quantized at load (CPU, one rank)
+    quantized_activations: str = "float32"  # what quantized weights multiply: float32 or int8 activations
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -85,8 +87,15 @@ class ShardConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.quantize is not None and self.quantize not in QUANTIZE_TYPES:
             raise ValueError(f"quantize must be one of {QUANTIZE_TYPES}, got {self.quantize!r}")
-        if self.quantize is not None and (self.device != "cpu" or self.world_size != 1 or self.dtype != "float32"):
+        if self.quantize is not None and (
+            self.device != "cpu" or self.world_size != 1 or self.dtype != "float32"
+        ):
             raise ValueError("quantize needs the cpu, one shard and float32 activations")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(
+                f"quantized_activations must be one of {QUANTIZED_ACTIVATIONS}, "
+                f"got {self.quantized_activations!r}"
+            )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

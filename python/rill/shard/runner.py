@@ -152,7 +152,11 @@ class ModelRunner:
         requested = self.config.attention_backend
         if requested == "torch":
             return None
-        ops: KernelOps = GpuOps() if self.device.type == "cuda" else CpuOps()
+        ops: KernelOps = (
+            GpuOps()
+            if self.device.type == "cuda"
+            else CpuOps(int8_activations=self.config.quantized_activations == "int8")
+        )
         reasons = unsupported_reasons(self.model, ops)
         if not reasons:
             reasons = [reason for reason in [_load_kernels(ops)] if reason]

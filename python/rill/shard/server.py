@@ -25,7 +25,14 @@ import torch
 
 from rill.shard import distributed
 from rill.shard.batch import BlockCopy, ForwardRequest, Generation, SequenceChunk
-from rill.shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, QUANTIZE_TYPES, ShardConfig
+from rill.shard.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    QUANTIZE_TYPES,
+    QUANTIZED_ACTIVATIONS,
+    ShardConfig,
+)
 from rill.shard.memory import CGROUP_ROOT
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.runner import LoraOffError, ModelRunner, NotReadyError
@@ -302,8 +309,17 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         "--quantize",
         choices=QUANTIZE_TYPES,
         default=None,
-        help="quantize float weights at load: the decoder layers' projections to this type, the embedding and "
+        help="quantize float weights at load: the decoder layers' projections to this type, the embedding "
+        "and "
         "LM head to q8_0 (cpu, one shard)",
+    )
+    parser.add_argument(
+        "--quantized-activations",
+        choices=QUANTIZED_ACTIVATIONS,
+        default="float32",
+        help="what quantized weights multiply on the cpu: float32 activations (the file's quality; default) "
+        "or "
+        "int8 ones quantized per token (llama.cpp's way: fewer instructions, less exact)",
     )
     parser.add_argument(
         "--num-threads",
@@ -377,6 +393,7 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
             quantize=args.quantize,
+            quantized_activations=args.quantized_activations,
         )
     except ValueError as error:
         parser.error(str(error))

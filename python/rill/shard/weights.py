@@ -9,9 +9,9 @@ Which files: with a `model.safetensors.index.json` the files its `weight_map` na
 Mistral folder ships `consolidated.safetensors`, the same weights under other names, beside its indexed HF
 shards); without one, every `*.safetensors` in the folder.
 
-A folder with `model.gguf` (rill.convert's folder for a GGUF file served as it is) loads from that file instead
-(`load_gguf_weights`): llama.cpp's tensor names mapped to Hugging Face's, quantized matrices handed to their
-layers' `load_quantized` as they are, everything else de-quantized to float."""
+A folder with `model.gguf` (rill.convert's folder for a GGUF file served as it is) loads from that file
+instead (`load_gguf_weights`): llama.cpp's tensor names mapped to Hugging Face's, quantized matrices handed to
+their layers' `load_quantized` as they are, everything else de-quantized to float."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def _check_complete(params: dict[str, nn.Parameter], loaded: set[str], model_pat
 
 
 GGUF_FILE = "model.gguf"
-# llama.cpp's names of a Llama-layout model's tensors -> Hugging Face's (blk.N.<part> -> model.layers.N.<part>).
+# llama.cpp's names of a Llama-layout model's tensors -> Hugging Face's (blk.N.x -> model.layers.N.x).
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -167,8 +167,8 @@ def gguf_hf_name(name: str) -> str:
 
 
 def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
-    """Row i of the Hugging Face q/k weight is row index[i] of llama.cpp's: per head, llama.cpp interleaves the
-    two rotary halves (row 2j + t holds half t's row j)."""
+    """Row i of the Hugging Face q/k weight is row index[i] of llama.cpp's: per head, llama.cpp interleaves
+    the two rotary halves (row 2j + t holds half t's row j)."""
     return torch.arange(num_rows).view(num_heads, -1, 2).transpose(1, 2).reshape(-1)
 
 
@@ -184,7 +184,9 @@ def load_gguf_weights(model: CheckpointLayout, model_path: Path) -> None:
     reader = GGUFReader(model_path / GGUF_FILE, "c")
     architecture = str(reader.fields["general.architecture"].contents())
     if architecture not in GGUF_NATIVE_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {architecture!r} does not load as it is (rill.convert expands it)")
+        raise ValueError(
+            f"GGUF architecture {architecture!r} does not load as it is (rill.convert expands it)"
+        )
     heads = {"q_proj": config["num_attention_heads"],
              "k_proj": config.get("num_key_value_heads", config["num_attention_heads"])}  # fmt: skip
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -206,10 +208,14 @@ def load_gguf_weights(model: CheckpointLayout, model_path: Path) -> None:
         else:
             rows = None
         if data is not None and hasattr(module, "load_quantized") and param is module.weight:
-            module.load_quantized(QuantizedTensor(qtype, data if rows is None else data[rows], columns), shard_id)
+            module.load_quantized(
+                QuantizedTensor(qtype, data if rows is None else data[rows], columns), shard_id
+            )
             num_quantized += 1
         else:
-            values = torch.from_numpy(np.asarray(gguf_dequantize(tensor.data, tensor.tensor_type), np.float32))
+            values = torch.from_numpy(
+                np.asarray(gguf_dequantize(tensor.data, tensor.tensor_type), np.float32)
+            )
             values = values.reshape(-1, columns) if values.dim() > 1 or data is not None else values
             if rows is not None:
                 values = values[rows]
@@ -221,7 +227,10 @@ def load_gguf_weights(model: CheckpointLayout, model_path: Path) -> None:
         loaded.add(target)
     _check_complete(params, loaded, model_path)
     logger.info(
-        "loaded %d tensors from %s (%d quantized, kept as they are)", len(reader.tensors), GGUF_FILE, num_quantized
+        "loaded %d tensors from %s (%d quantized, kept as they are)",
+        len(reader.tensors),
+        GGUF_FILE,
+        num_quantized,
     )
 
 
@@ -271,12 +280,17 @@ def _resolve(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, obj
 
 
 def quantize_weights(model: nn.Module, qtype: str) -> int:
-    """`--quantize`: each decoder projection's float weight to `qtype` blocks (q8_0, q4_0: the `gguf` package's
-    rounding, llama.cpp's), the embedding and an untied LM head to Q8_0 (finer, as llama.cpp's quantizer keeps
-    them); a matrix whose inputs are not a multiple of 32 stays float. Returns how many were quantized."""
+    """`--quantize`: each decoder projection's float weight to `qtype` blocks (q8_0, q4_0: the `gguf`
+    package's rounding, llama.cpp's), the embedding and an untied LM head to Q8_0 (finer, as llama.cpp's
+    quantizer keeps them); a matrix whose inputs are not a multiple of 32 stays float. Returns how many were
+    quantized."""
     count = 0
     for module in model.modules():
-        if not isinstance(module, Linear | VocabParallel) or module.quantized is not None or module.weight is None:
+        if (
+            not isinstance(module, Linear | VocabParallel)
+            or module.quantized is not None
+            or module.weight is None
+        ):
             continue
         if isinstance(module, LMHead) and module.is_tied:
             continue

@@ -7,9 +7,9 @@ rows past the vocabulary); rank r holds rows [r * rows_per_rank, (r + 1) * rows_
 - LM head: each rank computes the logits of its range; they are gathered along the vocabulary in rank order
   and cut to the vocabulary size, so every rank holds the full logits and samples the same tokens.
 
-A quantized matrix (`load_quantized`, one rank only) stays in its file type: the embedding de-quantizes the rows
-it looks up (`KernelOps.dequantize_rows`), and the head multiplies it as `Linear` does; a tied head shares the
-embedding's packed matrix.
+A quantized matrix (`load_quantized`, one rank only) stays in its file type: the embedding de-quantizes the
+rows it looks up (`KernelOps.dequantize_rows`), and the head multiplies it as `Linear` does; a tied head
+shares the embedding's packed matrix.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class Embedding(VocabParallel):
             self.packed = PackedWeight(self.quantized, self.ops)
             self.weight = None
         else:
-            self.weight = nn.Parameter(torch.cat([dequantize(p) for p in self.quantized]), requires_grad=False)
+            self.weight = nn.Parameter(
+                torch.cat([dequantize(p) for p in self.quantized]), requires_grad=False
+            )
         self.quantized = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -113,9 +115,9 @@ class LMHead(VocabParallel):
         return ops.provides("linear")
 
     def use_ops(self, ops: KernelOps | None) -> None:
-        """Tied, the head reads the embedding's matrix as the embedding holds it after its own `use_ops` (which
-        `install_ops` runs first: the embedding comes first in the model): its quantized packed matrix, or its
-        (possibly de-quantized) weight."""
+        """Tied, the head reads the embedding's matrix as the embedding holds it after its own `use_ops`
+        (which `install_ops` runs first: the embedding comes first in the model): its quantized packed matrix,
+        or its (possibly de-quantized) weight."""
         super().use_ops(ops)
         if self.tied_to is not None:
             assert self.tied_to.quantized is None, "the embedding installs its ops before the head"

@@ -21,10 +21,11 @@ Each parameter carries a `weight_loader(param, loaded, shard_id)` that `rill.sha
 checkpoint tensor or a lazily read safetensors slice; the loader reads only this rank's rows or columns.
 Fused layers (qkv, gate/up) map the Hugging Face tensors (`shard_id` names the part) into their slices.
 
-Quantized weights (a GGUF file served as it is, or `--quantize`) reach a layer through `load_quantized` instead:
-each part stays a `rill.kernels.quant.QuantizedTensor`, and the ops that provide `pack_quantized` multiply them
-as they are (the CPU kernels: int8 activations per token, see docs/kernels.md). On the torch references the
-layer de-quantizes its weight once and multiplies floats. One rank only: a quantized weight is not split.
+Quantized weights (a GGUF file served as it is, or `--quantize`) reach a layer through `load_quantized`
+instead: each part stays a `rill.kernels.quant.QuantizedTensor`, and the ops that provide `pack_quantized`
+multiply them as they are (the CPU kernels, with float32 or int8 activations: docs/kernels.md). On the torch
+references the layer de-quantizes its weight once and multiplies floats. One rank only: a quantized weight is
+not split.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ class Linear(KernelLayer):
         _, size, _ = parts[shard_id]
         if tensor.shape != (size, self.weight.shape[1]):
             raise ValueError(
-                f"quantized weight {tensor.shape} does not match {(size, self.weight.shape[1])} ({shard_id!r})"
+                f"quantized weight {tensor.shape} does not match "
+                f"{(size, self.weight.shape[1])} ({shard_id!r})"
             )
         self._quantized_parts[shard_id] = tensor
         if len(self._quantized_parts) == len(parts):

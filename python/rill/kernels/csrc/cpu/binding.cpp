@@ -280,6 +280,7 @@ rill_cpu::QuantHeader quant_header(const at::Tensor& packed, const char* what) {
   TORCH_CHECK(header.magic == rill_cpu::kQuantMagic, what, " is not a quantized matrix (bad magic)");
   TORCH_CHECK(header.num_parts >= 1 && header.num_parts <= rill_cpu::kMaxQuantParts, what, " has ",
               header.num_parts, " parts");
+  TORCH_CHECK(header.int8_activations == 0 || header.int8_activations == 1, what, " is malformed");
   int64_t rows = 0;
   for (int64_t p = 0; p < header.num_parts; ++p) {
     const rill_cpu::QuantPart& part = header.parts[p];
@@ -311,7 +312,7 @@ void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t n, int
 // The bytes of a quantized matrix of these parts (types and row counts) for K inputs: the header, then each
 // part 64-byte aligned. Also fills the header's parts when given one.
 int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k,
-                     rill_cpu::QuantHeader* header) {
+                     rill_cpu::QuantHeader* header, bool int8_activations = false) {
   TORCH_CHECK(!qtypes.empty() && qtypes.size() == rows.size() &&
                   qtypes.size() <= static_cast<size_t>(rill_cpu::kMaxQuantParts),
               "a quantized matrix has 1 to ", rill_cpu::kMaxQuantParts, " parts, each a type and a row count");
@@ -330,6 +331,7 @@ int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64
     header->n = n;
     header->k = k;
     header->num_parts = static_cast<int64_t>(qtypes.size());
+    header->int8_activations = int8_activations ? 1 : 0;
   }
   return offset;
 }
@@ -338,15 +340,17 @@ int64_t quant_packed_bytes(const std::vector<int64_t>& qtypes, const std::vector
   return quant_layout(qtypes, rows, k, nullptr);
 }
 
-// Writes the quantized matrix of `parts` ((ggml type, uint8 [rows, row bytes]) each, in row order) into `out`.
-void pack_quantized(at::Tensor out, const std::vector<std::tuple<int64_t, at::Tensor>>& parts, int64_t k) {
+// Writes the quantized matrix of `parts` ((ggml type, uint8 [rows, row bytes]) each, in row order) into `out`,
+// to be multiplied with int8 or float32 activations.
+void pack_quantized(at::Tensor out, const std::vector<std::tuple<int64_t, at::Tensor>>& parts, int64_t k,
+                    bool int8_activations) {
   std::vector<int64_t> qtypes, rows;
   for (const auto& [qtype, data] : parts) {
     qtypes.push_back(qtype);
     rows.push_back(data.dim() == 2 ? data.size(0) : -1);
   }
   rill_cpu::QuantHeader header{};
-  const int64_t bytes = quant_layout(qtypes, rows, k, &header);
+  const int64_t bytes = quant_layout(qtypes, rows, k, &header, int8_activations);
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous() &&
                   out.numel() == bytes,
               "out must be a contiguous uint8 buffer of ", bytes, " bytes");

@@ -110,11 +110,12 @@ struct QuantHeader {
   int64_t n;
   int64_t k;
   int64_t num_parts;
+  int64_t int8_activations;  // 1: x is quantized to int8 per row for the product; 0: x stays float32
   QuantPart parts[kMaxQuantParts];
 };
 
-// y [m, n] = x [m, k] @ w^T for float32 x and a quantized matrix w: x quantized per row in blocks of 32 (int8, a
-// float scale each), integer products per sub-block, a fixed float order per output (quant.cpp), so a row's bits
+// y [m, n] = x [m, k] @ w^T for float32 x and a quantized matrix w, with float32 activations or (as the matrix
+// says) int8 ones quantized per row in blocks of 32; a fixed float order per output (quant.cpp), so a row's bits
 // do not depend on m nor the threads. `portable` runs the plain C++ path (bitwise equal to the AVX2 one).
 void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m, int64_t k, int64_t n,
                       int num_threads, bool portable = false);

@@ -1,18 +1,22 @@
 // Quantized weights as GGUF files ship them (ops.h, "Quantized matrices"): y = x @ w^T with w's blocks read as
 // they are, and rows of w de-quantized for an embedding lookup.
 //
-// The product quantizes each row of x on its own, in blocks of 32 inputs, to int8 with one float scale per block
-// (dx = max|x| / 127, q = round-half-even(x / dx): llama.cpp's Q8 activations), then multiplies integers: for a
-// sub-block of 32 weights with scale d, min m (the weight is d * q + m; 0 for the types without one) and, for
-// Q6_K, an integer scale per 16 weights, the block's contribution is d * dx * sum(q_w * q_x [* scale]) + m * sx
-// with sx = dx * sum(q_x). The integer sums are exact (no int16 saturation is possible for these value ranges:
-// unsigned weights are at most 31, signed ones at most 128 in magnitude, activations at most 127).
+// A weight sub-block of 32 inputs decodes to 32 small integers q with a float scale d and min m (the weight is
+// d * q + m, m = 0 for the types without one; Q6_K's integer scale per 16 inputs goes into q). Two ways to
+// multiply it, chosen per matrix when it is packed (QuantHeader::int8_activations):
 //
-// Every output is computed one fixed way, whatever the row count, the tile or the thread: eight int32 lanes per
-// sub-block (lane l sums inputs 4l..4l+3), each lane's float chain acc_l = fma(float(isum_l), d * dx, acc_l) over
-// the sub-blocks in order, the min terms in a chain of their own, then a fixed tree over the lanes. So a row's
-// bits do not depend on the batch. The portable path (any CPU; `portable` forces it) runs the same arithmetic
-// and is bitwise equal to the AVX2 one.
+// - float activations (the file's quality, no rounding beyond float32 sums): per sub-block and row, eight float
+//   lanes s_l = x_l q_l + x_{8+l} q_{8+l} + x_{16+l} q_{16+l} + x_{24+l} q_{24+l} (a multiply, then fused
+//   multiply-adds), acc_l = fma(s_l, d, acc_l), and the min term m * sum(x of the sub-block) in a chain of its own.
+// - int8 activations (llama.cpp's way, fewer instructions per weight): each row of x quantized on its own, in
+//   blocks of 32, to int8 with one float scale dx = max|x| / 127 (q_x = round-half-even(x / dx)); per sub-block
+//   eight int32 lanes (lane l sums inputs 4l..4l+3, exactly: no int16 saturation is possible for these value
+//   ranges), acc_l = fma(float(isum_l), d * dx, acc_l), and the min term m * (dx * sum(q_x)).
+//
+// Either way every output is computed one fixed way, whatever the row count, the tile or the thread: the lane
+// chains over the sub-blocks in order, the min chain, then a fixed tree over the lanes. So a row's bits do not
+// depend on the batch. The portable path (any CPU; `portable` forces it) runs the same arithmetic and is
+// bitwise equal to the AVX2 one.
 //
 // Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
 // times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A tile
@@ -172,21 +176,32 @@ void dequantize_block(const uint8_t* b, float* out) {
   }
 }
 
-// x rows quantized to int8 blocks of 32: q [m, k], and per block dx (the scale) and sx = dx * sum(q).
+// x as the tiles read it: float32 rows as they are, with sx = the sum of each block of 32 (in order); or, for
+// int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q).
 struct QuantizedRows {
+  const float* x;
   std::vector<int8_t> q;
   std::vector<float> dx, sx;
 };
 
-void quantize_rows(const float* x, int64_t m, int64_t k, QuantizedRows* out, int num_threads) {
+void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows* out, int num_threads) {
   const int64_t blocks = k / kSub;
-  out->q.resize(m * k);
-  out->dx.resize(m * blocks);
+  out->x = x;
   out->sx.resize(m * blocks);
+  if (int8) {
+    out->q.resize(m * k);
+    out->dx.resize(m * blocks);
+  }
   at::parallel_for(0, m * blocks, num_threads > 1 && m * k >= (1 << 16) ? 256 : m * blocks + 1,
                    [&](int64_t begin, int64_t end) {
                      for (int64_t i = begin; i < end; ++i) {
                        const float* v = x + (i / blocks) * k + (i % blocks) * kSub;
+                       if (!int8) {
+                         float sum = 0.0f;
+                         for (int j = 0; j < kSub; ++j) sum += v[j];
+                         out->sx[i] = sum;
+                         continue;
+                       }
                        int8_t* q = out->q.data() + (i / blocks) * k + (i % blocks) * kSub;
                        float amax = 0.0f;
                        for (int j = 0; j < kSub; ++j) amax = std::max(amax, std::fabs(v[j]));
@@ -210,7 +225,35 @@ inline float lane_tree(const float* l) {
   return b0 + b1;
 }
 
-// One weight row (its `blocks` blocks at `w`) against `rows` rows of quantized x starting at row r0: y[i * ldy].
+// One weight row (its blocks at `w`) against `rows` rows of float x starting at row r0: y[i * ldy].
+template <int64_t QT>
+void tile_float_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, int rows, float* y,
+                         int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  float acc[kTileRows][8] = {}, macc[kTileRows] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < subs; ++s) {
+      SubBlock sub;
+      decode<QT>(w + b * block_bytes, s, &sub);
+      float q[kSub];
+      for (int e = 0; e < kSub; ++e) q[e] = static_cast<float>(sub.q[e] * sub.scale16[e / 16]);
+      const int64_t g = b * subs + s;
+      for (int r = 0; r < rows; ++r) {
+        const float* xv = xr.x + (r0 + r) * k + g * kSub;
+        for (int l = 0; l < 8; ++l) {
+          float lane = xv[l] * q[l];
+          for (int part = 1; part < 4; ++part) lane = std::fmaf(xv[8 * part + l], q[8 * part + l], lane);
+          acc[r][l] = std::fmaf(lane, sub.d, acc[r][l]);
+        }
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[(r0 + r) * xblocks + g], macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) y[r * ldy] = lane_tree(acc[r]) + macc[r];
+}
+
+// One weight row (its blocks at `w`) against `rows` rows of int8 x starting at row r0: y[i * ldy].
 template <int64_t QT>
 void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0, int rows, float* y,
                    int64_t ldy) {
@@ -353,19 +396,70 @@ void tile_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0,
 }
 
 template <int64_t QT, int R>
-void tile_rows_avx2(int rows, const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0, float* y,
-                    int64_t ldy) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows_avx2<QT, R - 1>(rows, w, k, xq, r0, y, ldy);
+void tile_float_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, float* y, int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
   }
-  tile_avx2<QT, R>(w, k, xq, r0, y, ldy);
+  const float* xrows = xr.x + r0 * k;
+  const float* sx = xr.sx.data() + r0 * xblocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * block_bytes;
+    for (int s = 0; s < subs; ++s) {
+      float d, m = 0.0f;
+      __m256i mul;
+      const __m256i q = decode_avx2<QT>(block, s, &d, &m, &mul);
+      const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
+      const auto widen = [](__m128i v) { return kSigned<QT> ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v); };
+      __m256 w0 = _mm256_cvtepi32_ps(widen(low)), w1 = _mm256_cvtepi32_ps(widen(_mm_srli_si128(low, 8)));
+      __m256 w2 = _mm256_cvtepi32_ps(widen(high)), w3 = _mm256_cvtepi32_ps(widen(_mm_srli_si128(high, 8)));
+      if constexpr (QT == kQ6_K) {  // the integer scale of each half, exact in float
+        const __m256 first = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 0))));
+        const __m256 second = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 8))));
+        w0 = _mm256_mul_ps(w0, first);
+        w1 = _mm256_mul_ps(w1, first);
+        w2 = _mm256_mul_ps(w2, second);
+        w3 = _mm256_mul_ps(w3, second);
+      }
+      const int64_t g = b * subs + s;
+      const __m256 scale = _mm256_set1_ps(d);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xv = xrows + r * k + g * kSub;
+        __m256 lane = _mm256_mul_ps(_mm256_loadu_ps(xv), w0);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 8), w1, lane);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 16), w2, lane);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 24), w3, lane);
+        acc[r] = _mm256_fmadd_ps(lane, scale, acc[r]);
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(m, sx[r * xblocks + g], macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = lane_tree_avx2(acc[r]) + macc[r];
+}
+
+template <int64_t QT, int R>
+void tile_rows_avx2(int rows, bool int8, const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0,
+                    float* y, int64_t ldy) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows_avx2<QT, R - 1>(rows, int8, w, k, xq, r0, y, ldy);
+  }
+  if (int8) {
+    tile_avx2<QT, R>(w, k, xq, r0, y, ldy);
+  } else {
+    tile_float_avx2<QT, R>(w, k, xq, r0, y, ldy);
+  }
 }
 #endif
 
 // Rows [r_begin, r_end) of x against weight rows [w_begin, w_end) of one part, written to y's columns from
 // `column`.
 template <int64_t QT>
-void part_rows(const uint8_t* part, int64_t k, const QuantizedRows& xq, int64_t r_begin, int64_t r_end,
+void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& xq, int64_t r_begin, int64_t r_end,
                int64_t w_begin, int64_t w_end, float* y, int64_t ldy, int64_t column, bool portable) {
   const int64_t row_bytes = k / kBlockElems<QT> * quant_block_bytes(QT);
   for (int64_t j = w_begin; j < w_end; ++j) {
@@ -375,11 +469,15 @@ void part_rows(const uint8_t* part, int64_t k, const QuantizedRows& xq, int64_t 
       float* out = y + r * ldy + column + j;
 #if defined(RILL_QUANT_AVX2)
       if (!portable) {
-        tile_rows_avx2<QT, kTileRows>(rows, w, k, xq, r, out, ldy);
+        tile_rows_avx2<QT, kTileRows>(rows, int8, w, k, xq, r, out, ldy);
         continue;
       }
 #endif
-      tile_portable<QT>(w, k, xq, r, rows, out, ldy);
+      if (int8) {
+        tile_portable<QT>(w, k, xq, r, rows, out, ldy);
+      } else {
+        tile_float_portable<QT>(w, k, xq, r, rows, out, ldy);
+      }
     }
   }
 }
@@ -413,8 +511,9 @@ void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m
                       int num_threads, bool portable) {
   QuantHeader header;
   std::memcpy(&header, packed, sizeof header);
+  const bool int8 = header.int8_activations != 0;
   QuantizedRows xq;
-  quantize_rows(x, m, k, &xq, num_threads);
+  prepare_rows(x, m, k, int8, &xq, num_threads);
   // Tasks: (a block of x rows) x (a chunk of weight rows of one part), in part order.
   struct Task {
     int64_t part, w_begin, w_end, r_begin, r_end, column;
@@ -438,7 +537,7 @@ void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m
     const Task& task = tasks[t];
     const QuantPart& part = header.parts[task.part];
     dispatch_qtype(part.qtype, [&](auto qt) {
-      part_rows<decltype(qt)::value>(packed + part.offset, k, xq, task.r_begin, task.r_end, task.w_begin,
+      part_rows<decltype(qt)::value>(packed + part.offset, k, int8, xq, task.r_begin, task.r_end, task.w_begin,
                                      task.w_end, y, n, task.column, portable);
     });
   }
