@@ -375,7 +375,7 @@ def shard_command(
         "--world-size", str(config.num_shard),
         "--attention-backend", config.attention_backend,
         *(["--quantize", config.quantize] if config.quantize else []),
-        "--quantized-activations", config.quantized_activations,
+        *(["--quantized-activations", "int8"] if config.quantized_activations == "int8" else []),
     ]  # fmt: skip
     if config.kv_block_size is not None:
         command += ["--kv-block-size", str(config.kv_block_size)]
