@@ -1,9 +1,9 @@
-"""GGUF files served as they are (rill.convert's `quantized` folder: config, tokenizer and a link to the file),
-against the same file expanded to float32 (today's conversion) as the oracle.
+"""GGUF files served as they are (rill.convert's `quantized` folder: config, tokenizer and a link to the
+file), against the same file expanded to float32 (today's conversion) as the oracle.
 
 - On the torch references a quantized layer de-quantizes its weight: the model is bitwise the expanded one.
-- On the CPU kernels with float32 activations it is the expanded model up to float32 summation order; with int8
-  activations, close to it; either way a sequence's logits do not depend on its batch.
+- On the CPU kernels with float32 activations it is the expanded model up to float32 summation order; with
+  int8 activations, close to it; either way a sequence's logits do not depend on its batch.
 - The default model (SmolLM2-135M, Q4_1 with a Q8_0 embedding): teacher-forced argmax agreement with the
   expanded float32 model on real text, and the weights' memory is the file's.
 - `--quantize q8_0 | q4_0` on a float checkpoint.
