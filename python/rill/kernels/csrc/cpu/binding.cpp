@@ -372,6 +372,16 @@ std::tuple<int64_t, int64_t> quant_shape(const at::Tensor& packed) {
   return {header.n, header.k};
 }
 
+// Each part of a quantized matrix: (ggml type, rows, byte offset in the buffer).
+std::vector<std::tuple<int64_t, int64_t, int64_t>> quant_parts(const at::Tensor& packed) {
+  const rill_cpu::QuantHeader header = quant_header(packed, "packed");
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> parts;
+  for (int64_t p = 0; p < header.num_parts; ++p) {
+    parts.emplace_back(header.parts[p].qtype, header.parts[p].rows, header.parts[p].offset);
+  }
+  return parts;
+}
+
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, bool portable) {
   const rill_cpu::QuantHeader header = quant_header(packed, "the weight");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == header.k,
@@ -720,6 +730,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_packed_bytes", &quant_packed_bytes);
   m.def("pack_quantized", &pack_quantized, release_gil);
   m.def("quant_shape", &quant_shape);
+  m.def("quant_parts", &quant_parts);
   m.def("quantized_linear", &quantized_linear, py::arg("x"), py::arg("packed"), py::arg("portable") = false,
         release_gil);
   m.def("dequantize_rows", &dequantize_rows, release_gil);
