@@ -1,6 +1,7 @@
 """How close Rill's forward pass runs to this machine's floor, measured in one run.
 
     python -m bench.suite roofline [--dtype float32|bfloat16] [--num-threads N] [--plot roofline.png]
+    python -m bench.suite roofline --quantized-activations float32|int8   # the default model's GGUF as it is
 
 Measures, on the machine it runs on: memory read bandwidth (a large sum), GEMM rate (a square matmul,
 float32 and bfloat16), then the shard's `ModelRunner` in-process (no router, no gRPC: the model's own step)
@@ -9,6 +10,9 @@ Each figure is printed next to its floor: weight + KV bytes over the measured ba
 measured GEMM rate, whichever is larger (a roofline). A decode step includes batch preparation and
 sampling, as served. Last, one decode step's matmuls at batch 1-64 three ways: torch's GEMM padded to 16
 rows (the torch reference), unpadded (not batch-invariant) and Rill's CPU linear kernel (batch-invariant).
+With `--quantized-activations` the model is served from its GGUF file as it is (quantized matrices kept in the
+file's types): the floor counts the bytes the kernels really stream, and the matmuls are timed with float32
+and int8 activations side by side, next to their own floor (the matrices' bytes over the bandwidth).
 """
 
 from __future__ import annotations
@@ -68,10 +72,28 @@ class ModelCosts:
     weight_bytes: int  # read once per forward: the layers and the LM head (embedding rows: negligible)
 
 
+def streamed_weight_bytes(runner: ModelRunner) -> int:
+    """The bytes one forward reads of the weights as the kernels hold them: each packed matrix once (packed
+    floats, or quantized blocks as the file has them; a tied head and its embedding share one), and the float
+    parameters left (norms); an embedding that is only looked up is not streamed."""
+    from rill.shard.layers.embedding import Embedding
+
+    tensors: dict[int, int] = {}
+    for module in runner.model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None and not isinstance(module, Embedding):
+            tensors[id(packed.tensor)] = packed.tensor.numel() * packed.tensor.element_size()
+    embedding = runner.model.model.embed_tokens.weight
+    for param in runner.model.parameters():
+        if param is not embedding or runner.model.lm_head.is_tied:
+            tensors.setdefault(id(param), param.numel() * param.element_size())
+    return sum(tensors.values())
+
+
 def model_costs(runner: ModelRunner) -> ModelCosts:
     cfg = runner.model_config
     element = torch.finfo(runner.dtype).bits // 8
-    embedding = runner.model.model.embed_tokens.weight.numel()  # the LM head has the same shape
+    embedding = runner.model_config.vocab_size * cfg.hidden_size  # the LM head has the same shape
     # Counted at load, before the CPU kernels replaced weights by packed copies; a tied head counted once.
     layer_params = runner.num_params - embedding - (0 if runner.model.lm_head.is_tied else embedding)
     return ModelCosts(
@@ -79,7 +101,7 @@ def model_costs(runner: ModelRunner) -> ModelCosts:
         lm_head_params=embedding,
         kv_bytes_per_token=2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element,
         attention_flops_per_key=4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim,
-        weight_bytes=(layer_params + embedding) * element,
+        weight_bytes=streamed_weight_bytes(runner),
     )
 
 
@@ -121,7 +143,7 @@ class StepDriver:
 LINEAR_BATCH_SIZES = (1, 2, 4, 8, 16, 64)
 
 
-def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
+def measure_linears(runner: ModelRunner, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
     """One decode step's matmuls (every Linear and the LM head of the model) at small batch sizes, three ways:
     torch's GEMM padded to ROW_MULTIPLE rows (the torch reference's batch-invariant form), torch's GEMM
     unpadded (not batch-invariant), and Rill's CPU linear kernel (batch-invariant at any row count)."""
@@ -130,6 +152,8 @@ def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
     from rill.shard.layers.linear import Linear, invariant_matmul
 
     layers = [m for m in runner.model.modules() if isinstance(m, Linear | LMHead)]
+    if any(m.packed is not None and m.packed.tensor.dtype == torch.uint8 for m in layers):
+        return measure_quantized_linears(runner, layers, repeats, bandwidth)
     # The runner's layers hold packed weights; the same shapes with random values time the same.
     packed_layers = [
         m.packed for m in layers if m.packed and m.packed.tensor.dtype in cpu_kernels.linear_dtypes()
@@ -137,6 +161,7 @@ def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
     weights = [torch.randn(p.out_features, p.in_features).to(runner.dtype) for p in packed_layers]
     ops = cpu_kernels.CpuOps()
     packed = {id(w): ops.pack_linear(w) for w in weights}
+    print(f"{'matmuls':>8} {'torch padded ms':>15} {'unpadded ms':>15} {'rill kernel ms':>15}")
     ways = {
         "torch padded": lambda x, w: invariant_matmul(x, w),
         "torch unpadded": lambda x, w: x @ w.T,
@@ -161,9 +186,69 @@ def measure_linears(runner: ModelRunner, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def load_runner(model_id: Path, dtype: str, max_context: int, max_batch: int) -> ModelRunner:
+def measure_quantized_linears(
+    runner: ModelRunner, layers: list[Any], repeats: int, bandwidth: float
+) -> list[dict[str, Any]]:
+    """One decode step's quantized matmuls (the model's own matrices, each once) with float32 and with int8
+    activations, next to their floor: the matrices' bytes over the measured bandwidth."""
+    from rill.kernels import cpu as cpu_kernels
+
+    lib = cpu_kernels.load()
+    matrices = {id(m.packed.tensor): m.packed for m in layers if m.packed.tensor.dtype == torch.uint8}
+    floor = sum(p.tensor.numel() for p in matrices.values()) / bandwidth
+    # The same matrices, re-packed for the other activations (the packing decides; the bytes are the same).
+    ways = {}
+    for int8 in (False, True):
+        ops = cpu_kernels.CpuOps(int8_activations=int8)
+        ways["int8" if int8 else "float32"] = [
+            ops.pack_quantized(quantized_parts(lib, p.tensor)) for p in matrices.values()
+        ]
+    print(
+        f"{'matmuls':>8} {'floor ms':>9} {'float32 act ms':>15} {'int8 act ms':>12}  (quantized, as the file)"
+    )
+    rows = []
+    for batch in LINEAR_BATCH_SIZES:
+        inputs = [torch.randn(batch, p.in_features) for p in matrices.values()]
+        row: dict[str, Any] = {"batch": batch, "floor": floor}
+        for name, packed in ways.items():
+
+            def step(packed: list[torch.Tensor] = packed, inputs: list[torch.Tensor] = inputs) -> None:
+                for x, matrix in zip(inputs, packed, strict=True):
+                    lib.quantized_linear(x, matrix)
+
+            row[name] = _median_seconds(step, repeats=repeats)
+        rows.append(row)
+        print(
+            f"{batch:>8} {floor * 1e3:>9.2f} {row['float32'] * 1e3:>15.2f} {row['int8'] * 1e3:>12.2f}",
+            flush=True,
+        )
+    return rows
+
+
+def quantized_parts(lib: Any, packed: torch.Tensor) -> list[Any]:
+    """The parts of a packed quantized matrix back as `QuantizedTensor`s (views of its bytes)."""
+    from rill.kernels.quant import QTYPES, QuantizedTensor
+
+    _, k = lib.quant_shape(packed)
+    names = {number: name for name, (number, _, _) in QTYPES.items()}
+    parts = []
+    for qtype, rows, offset in lib.quant_parts(packed):
+        _, block, block_bytes = QTYPES[names[qtype]]
+        row_bytes = k // block * block_bytes
+        parts.append(
+            QuantizedTensor(names[qtype], packed[offset : offset + rows * row_bytes].view(rows, row_bytes), k)
+        )
+    return parts
+
+
+def load_runner(
+    model_id: Path, dtype: str, max_context: int, max_batch: int, quantized_activations: str = "float32"
+) -> ModelRunner:
     config = ShardConfig(
-        model_path=model_id, socket_path=Path(tempfile.gettempdir()) / "unused.sock", dtype=dtype
+        model_path=model_id,
+        socket_path=Path(tempfile.gettempdir()) / "unused.sock",
+        dtype=dtype,
+        quantized_activations=quantized_activations,
     )
     runner = ModelRunner(config)
     max_tokens = max_context * max_batch
@@ -184,7 +269,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{gemm['float32'] / 1e9:.0f} GFLOP/s, bfloat16 {gemm['bfloat16'] / 1e9:.0f} GFLOP/s",
         flush=True,
     )
-    runner = load_runner(args.model_id or ensure_default_model(), args.dtype, max(CONTEXTS), max(BATCH_SIZES))
+    quantized = args.quantized_activations != "none"
+    model_id = args.model_id or ensure_default_model(quantized=quantized)
+    activations = args.quantized_activations if quantized else "float32"
+    runner = load_runner(model_id, args.dtype, max(CONTEXTS), max(BATCH_SIZES), activations)
     costs = model_costs(runner)
     rate = gemm[args.dtype]
     driver = StepDriver(runner)
@@ -217,8 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{prompt_len:>8} {prompt_len / seconds:>9.0f} {achieved / 1e9:>9.0f} {achieved / rate:>8.0%}",
             flush=True,
         )
-    print(f"{'matmuls':>8} {'torch padded ms':>15} {'unpadded ms':>15} {'rill kernel ms':>15}")
-    linear_rows = measure_linears(runner, args.repeats)
+    linear_rows = measure_linears(runner, args.repeats, bandwidth)
     report = dict(
         bandwidth=bandwidth,
         gemm=gemm,

@@ -283,6 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="roofline, peers: the model's dtype (default: %(default)s)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="roofline: timed steps per point")
+    parser.add_argument("--quantized-activations", default="none", choices=("none", "float32", "int8"),
+                        help="roofline: serve the default model from its GGUF file as it is, its "
+                        "quantized weights multiplying float32 or int8 activations (none: expanded "
+                        "to --dtype)")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="roofline: save the step-time plot here (PNG)")
     parser.add_argument(
         "--num-agents", type=int, default=4, help="agents: concurrent agents (default: %(default)s)"

@@ -51,8 +51,15 @@ def test_cuda_defaults(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_model_defaults_to_the_built_in_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launcher, "_default_model", lambda: tmp_path)
-    assert parse_args(["--router-bin", str(ROUTER_BIN)], {}).model_id == tmp_path
+    """Served from its GGUF file as it is on a CPU with one shard; expanded when --dtype asks or the shards
+    split it."""
+    monkeypatch.setattr(launcher, "_default_model", lambda quantized: tmp_path / str(quantized))
+    for path in ("True", "False"):
+        (tmp_path / path).mkdir()
+    base = ["--router-bin", str(ROUTER_BIN), "--device", "cpu"]
+    assert parse_args(base, {}).model_id == tmp_path / "True"
+    assert parse_args([*base, "--dtype", "float32"], {}).model_id == tmp_path / "False"
+    assert parse_args([*base, "--num-shard", "2"], {}).model_id == tmp_path / "False"
 
 
 @pytest.mark.parametrize(
@@ -61,6 +68,8 @@ def test_model_defaults_to_the_built_in_model(tmp_path: Path, monkeypatch: pytes
         ("--num-shard", "2", "num_shard", 2),
         ("--device", "cpu", "device", "cpu"),
         ("--dtype", "bfloat16", "dtype", "bfloat16"),
+        ("--quantize", "q4_0", "quantize", "q4_0"),
+        ("--quantized-activations", "int8", "quantized_activations", "int8"),
         ("--kv-block-size", "32", "kv_block_size", 32),
         ("--kv-cache-dtype", "int8", "kv_cache_dtype", "int8"),
         ("--num-threads", "3", "num_threads", 3),

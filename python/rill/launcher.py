@@ -81,6 +81,8 @@ class LaunchConfig:
     attention_backend: str  # auto (the device's native kernels where they can run), cpu, cuda or torch
     max_loras: int  # LoRA adapter slots per shard (0: LoRA off)
     max_lora_rank: int
+    quantize: str | None  # float weights quantized at load (the shard's --quantize); None: as loaded
+    quantized_activations: str  # float32 or int8: what quantized weights multiply (the shard's flag)
     otlp_endpoint: str | None  # OpenTelemetry collector for the shards' spans (and the router's)
     api_key: str | None  # handed to the router through its environment, never on a command line
     restart_shards: bool
@@ -163,7 +165,29 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     flag("num-shard", int, "1", "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
     flag("device", str, None, "cpu or cuda; auto = cuda when torch sees a GPU, else cpu")
-    flag("dtype", str, None, "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda")
+    flag(
+        "dtype",
+        str,
+        None,
+        "float32, bfloat16 or float16; auto = float32 on cpu, bfloat16 on cuda. "
+        "On a cpu with one shard and no --dtype, a GGUF model (the default one too) keeps its quantized "
+        "weights as the file holds them; a --dtype expands them",
+    )
+    flag(
+        "quantize",
+        str,
+        None,
+        "q8_0 or q4_0: quantize a float (safetensors) model's weights at load, as llama.cpp "
+        "would: the decoder layers' projections to this type, the embedding and LM head to q8_0 "
+        "(cpu, one shard)",
+    )
+    flag(
+        "quantized-activations",
+        str,
+        "float32",
+        "what quantized weights multiply on a cpu: float32 activations "
+        "(the file's quality) or int8 (quantized per token as llama.cpp does: faster decoding, less exact)",
+    )
     flag("kv-block-size", int, None, "tokens per paged KV cache block; auto = the shard's default")
     flag(
         "kv-cache-dtype",
@@ -222,6 +246,12 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
     if device not in ("cpu", "cuda"):
         parser.error(f"--device must be cpu or cuda, got {device!r}")
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    if args.quantized_activations not in ("float32", "int8"):
+        parser.error(f"--quantized-activations must be float32 or int8, got {args.quantized_activations!r}")
+    if args.quantize not in (None, "q8_0", "q4_0"):
+        parser.error(f"--quantize must be q8_0 or q4_0, got {args.quantize!r}")
+    if args.quantize is not None and (device != "cpu" or args.num_shard != 1 or dtype != "float32"):
+        parser.error("--quantize needs --device cpu, --num-shard 1 and float32 (no --dtype bfloat16)")
     if dtype not in ("float32", "bfloat16", "float16"):
         parser.error(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
     if args.kv_cache_dtype not in ("auto", "int8"):
@@ -249,8 +279,11 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         num_threads = _num_cpus()
     try:
         router_bin = args.router_bin or find_router_bin(environ)
-        model_id = _gguf_model(args.model_id) if args.model_id else _default_model()
-        draft_model_id = _gguf_model(args.draft_model_id) if args.draft_model_id else None
+        # A GGUF file is served as it is (its quantized weights kept quantized) on a CPU with one shard,
+        # unless --dtype asks for its weights expanded to floats.
+        quantized = args.dtype is None and device == "cpu" and args.num_shard == 1
+        model_id = _gguf_model(args.model_id, quantized) if args.model_id else _default_model(quantized)
+        draft_model_id = _gguf_model(args.draft_model_id, quantized) if args.draft_model_id else None
     except RuntimeError as error:
         parser.error(str(error))
     for name, path in (("--model-id", model_id), ("--draft-model-id", draft_model_id)):
@@ -270,6 +303,8 @@ def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | N
         attention_backend=args.attention_backend,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        quantize=args.quantize,
+        quantized_activations=args.quantized_activations,
         otlp_endpoint=args.otlp_endpoint or None,
         api_key=args.api_key or None,
         restart_shards=args.restart_shards,
@@ -306,19 +341,20 @@ def _num_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _gguf_model(model_id: Path) -> Path:
-    """A .gguf file's converted folder (rill.convert); any other path as given."""
+def _gguf_model(model_id: Path, quantized: bool) -> Path:
+    """A .gguf file's converted folder (rill.convert; `quantized`: served as it is); any other path as
+    given."""
     if model_id.suffix.lower() != ".gguf":
         return model_id
     from rill.convert import ensure_gguf_model
 
-    return ensure_gguf_model(model_id)
+    return ensure_gguf_model(model_id, quantized=quantized)
 
 
-def _default_model() -> Path:
+def _default_model(quantized: bool) -> Path:
     from rill.convert import ensure_default_model
 
-    return ensure_default_model()
+    return ensure_default_model(quantized=quantized)
 
 
 def find_router_bin(environ: Mapping[str, str]) -> Path:
@@ -354,6 +390,8 @@ def shard_command(
         "--rank", str(rank),
         "--world-size", str(config.num_shard),
         "--attention-backend", config.attention_backend,
+        *(["--quantize", config.quantize] if config.quantize else []),
+        *(["--quantized-activations", "int8"] if config.quantized_activations == "int8" else []),
     ]  # fmt: skip
     if config.kv_block_size is not None:
         command += ["--kv-block-size", str(config.kv_block_size)]

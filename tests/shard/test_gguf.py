@@ -41,7 +41,12 @@ def write_gguf(path: Path, tensor_types: list[GGMLQuantizationType], add_bos_tok
 def test_supported_types_pass_and_tokenizer_metadata_is_read(tmp_path: Path) -> None:
     types = [GGMLQuantizationType[name] for name in ("F32", "Q4_0", "Q4_1", "Q5_0", "Q8_0")]
     metadata = check_gguf(write_gguf(tmp_path / "ok.gguf", types, add_bos_token=True))
-    assert metadata == {"pre_tokenizer": "default", "add_bos_token": True, "add_eos_token": False}
+    assert metadata == {
+        "architecture": "llama",
+        "pre_tokenizer": "default",
+        "add_bos_token": True,
+        "add_eos_token": False,
+    }
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from rill.kernels.extension import KernelSources, load_extension
 from rill.kernels.ops import AttentionMetadata, KernelOps, run_fused_add_rms_norm
+from rill.kernels.quant import QuantizedTensor
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # -ffp-contract=off: no implicit fused multiply-adds, so each product rounds where the torch reference rounds;
@@ -58,6 +59,7 @@ def sources() -> KernelSources:
                 "elementwise.cpp",
                 "linear.cpp",
                 "lora.cpp",
+                "quant.cpp",
                 "rows.cpp",
             )
         ),
@@ -78,10 +80,15 @@ def load(verbose: bool = False) -> ModuleType:
 
 
 class CpuOps(KernelOps):
-    """Every op of `KernelOps`, optional ones included, on the CPU."""
+    """Every op of `KernelOps`, optional ones included, on the CPU. `int8_activations`: quantized weights are
+    multiplied with activations quantized to int8 per row (llama.cpp's way: faster, less exact) rather than
+    float32 ones (the file's quality)."""
 
     name = "cpu"
     kv_cache_dtypes = ("auto", "int8")
+
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
 
     def unavailable_reason(self) -> str | None:
         if sources().is_built():
@@ -199,10 +206,32 @@ class CpuOps(KernelOps):
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """In x's dtype (the packed weight's): the same bits for a row in a batch of 1 or 1000 and on any
         number of threads. float32: one fused multiply-add per input, in order; bfloat16: one AVX512-BF16 pair
-        product per two inputs into a float32 sum, rounded to bfloat16 once."""
+        product per two inputs into a float32 sum, rounded to bfloat16 once. A quantized weight (uint8, from
+        `pack_quantized`) multiplies float32 x with the same invariance, x as it is or (`int8_activations`)
+        quantized per row to int8 blocks of 32 as llama.cpp does (quant.cpp;
+        `rill.kernels.quant.reference_linear` gives the exact value of either)."""
+        if packed.dtype == torch.uint8:
+            return load().linear(x, packed, out_features)
         if packed.dtype not in linear_dtypes():
             return x @ packed.T
         return load().linear(x, packed, out_features)
+
+    def pack_quantized(self, parts: list[QuantizedTensor]) -> torch.Tensor:
+        """One uint8 buffer in huge pages: a header, then each part's blocks as the file holds them (the
+        weight's bytes, no more: 64-byte alignment aside)."""
+        lib = load()
+        columns = {part.columns for part in parts}
+        if len(columns) != 1:
+            raise ValueError(f"the parts of a quantized weight must have the same columns, got {columns}")
+        qtypes, rows = [p.type_number for p in parts], [p.shape[0] for p in parts]
+        packed = empty_huge_pages((lib.quant_packed_bytes(qtypes, rows, parts[0].columns),), torch.uint8)
+        lib.pack_quantized(
+            packed, [(p.type_number, p.data) for p in parts], parts[0].columns, self.int8_activations
+        )
+        return packed
+
+    def dequantize_rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return load().dequantize_rows(packed, ids)
 
     def lora_add(
         self,

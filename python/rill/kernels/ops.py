@@ -18,8 +18,12 @@ import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rill.kernels.quant import QuantizedTensor
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,16 @@ class KernelOps(abc.ABC):
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [rows, in] @ weight^T with the weight from `pack_linear`; row r depends only on row r of x."""
         raise NotImplementedError(f"the {self.name} kernels have no linear")
+
+    def pack_quantized(self, parts: list[QuantizedTensor]) -> torch.Tensor:
+        """A quantized weight (its parts in row order, `rill.kernels.quant.QuantizedTensor`s, up to four,
+        one K) in the layout `linear` and `dequantize_rows` read: `linear` then multiplies it as it is."""
+        raise NotImplementedError(f"the {self.name} kernels have no quantized weights")
+
+    def dequantize_rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a weight from `pack_quantized`, de-quantized to float32 [len(ids), in] (an embedding
+        lookup), bitwise as `rill.kernels.quant.dequantize` gives them."""
+        raise NotImplementedError(f"the {self.name} kernels have no quantized weights")
 
     def lora_add(
         self,

@@ -9,6 +9,9 @@ import torch
 
 from rill.shard.memory import CGROUP_ROOT
 
+# `--quantize`: the types float weights may be quantized to at load (llama.cpp's, by its names).
+QUANTIZE_TYPES = ("q8_0", "q4_0")
+QUANTIZED_ACTIVATIONS = ("float32", "int8")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -55,6 +58,8 @@ class ShardConfig:
     cgroup_root: Path = CGROUP_ROOT
     max_loras: int = 0
     max_lora_rank: int = 16
+    quantize: str | None = None  # a QUANTIZE_TYPES type: float weights quantized at load (CPU, one rank)
+    quantized_activations: str = "float32"  # what quantized weights multiply: float32 or int8 activations
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -84,6 +89,17 @@ class ShardConfig:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_TYPES:
+            raise ValueError(f"quantize must be one of {QUANTIZE_TYPES}, got {self.quantize!r}")
+        if self.quantize is not None and (
+            self.device != "cpu" or self.world_size != 1 or self.dtype != "float32"
+        ):
+            raise ValueError("quantize needs the cpu, one shard and float32 activations")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(
+                f"quantized_activations must be one of {QUANTIZED_ACTIVATIONS}, "
+                f"got {self.quantized_activations!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.num_threads < 0:

@@ -42,7 +42,7 @@ from rill.shard.lora import HostAdapter, LoraAdapters, enable_lora
 from rill.shard.memory import available_host_memory
 from rill.shard.models.registry import eos_token_ids, get_model_class, load_hf_config
 from rill.shard.sampling import SamplingBatch, SamplingParams, sample
-from rill.shard.weights import checkpoint_shapes, load_weights
+from rill.shard.weights import checkpoint_shapes, load_weights, quantize_weights
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ class ModelRunner:
         with torch.device(self.device):
             self.model: nn.Module = model_class(self.model_config).to(self.dtype)
         load_weights(self.model, config.model_path)
+        if config.quantize:
+            count = quantize_weights(self.model, config.quantize)
+            logger.info("quantized %d weight matrices to %s at load (--quantize)", count, config.quantize)
         self.model.eval()
         self.num_params = sum(p.numel() for p in self.model.parameters())  # before the kernels repack any
         self.eos_token_ids = eos_token_ids(config.model_path, self.hf_config)
@@ -151,7 +154,11 @@ class ModelRunner:
         requested = self.config.attention_backend
         if requested == "torch":
             return None
-        ops: KernelOps = GpuOps() if self.device.type == "cuda" else CpuOps()
+        ops: KernelOps = (
+            GpuOps()
+            if self.device.type == "cuda"
+            else CpuOps(int8_activations=self.config.quantized_activations == "int8")
+        )
         if self.config.kv_cache_dtype not in ops.kv_cache_dtypes:
             raise ValueError(
                 f"--kv-cache-dtype {self.config.kv_cache_dtype} is not supported by the {ops.name} "

@@ -25,7 +25,15 @@ import torch
 
 from rill.shard import distributed
 from rill.shard.batch import BlockCopy, ForwardRequest, Generation, SequenceChunk
-from rill.shard.config import ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, ShardConfig
+from rill.shard.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZE_TYPES,
+    QUANTIZED_ACTIVATIONS,
+    ShardConfig,
+)
 from rill.shard.memory import CGROUP_ROOT
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.runner import LoraOffError, ModelRunner, NotReadyError
@@ -306,6 +314,22 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
         "token and KV head (about 2x the blocks of bfloat16, 3.8x of float32; CPU only) (default: auto)",
     )
     parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_TYPES,
+        default=None,
+        help="quantize float weights at load: the decoder layers' projections to this type, the embedding "
+        "and "
+        "LM head to q8_0 (cpu, one shard)",
+    )
+    parser.add_argument(
+        "--quantized-activations",
+        choices=QUANTIZED_ACTIVATIONS,
+        default="float32",
+        help="what quantized weights multiply on the cpu: float32 activations (the file's quality; default) "
+        "or "
+        "int8 ones quantized per token (llama.cpp's way: fewer instructions, less exact)",
+    )
+    parser.add_argument(
         "--num-threads",
         type=int,
         default=0,
@@ -377,6 +401,8 @@ def parse_args(argv: list[str] | None = None) -> ShardConfig:
             cgroup_root=args.cgroup_root,
             max_loras=args.max_loras,
             max_lora_rank=args.max_lora_rank,
+            quantize=args.quantize,
+            quantized_activations=args.quantized_activations,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -7,7 +7,11 @@ Parameters without one (norms) are replicated and read whole.
 
 Which files: with a `model.safetensors.index.json` the files its `weight_map` names, and only those (a
 Mistral folder ships `consolidated.safetensors`, the same weights under other names, beside its indexed HF
-shards); without one, every `*.safetensors` in the folder."""
+shards); without one, every `*.safetensors` in the folder.
+
+A folder with `model.gguf` (rill.convert's folder for a GGUF file served as it is) loads from that file
+instead (`load_gguf_weights`): llama.cpp's tensor names mapped to Hugging Face's, quantized matrices handed to
+their layers' `load_quantized` as they are, everything else de-quantized to float."""
 
 from __future__ import annotations
 
@@ -15,14 +19,17 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from rill.shard.layers.linear import loaded_shape, read_part
+from rill.kernels.quant import QTYPES, QuantizedTensor, quantize
+from rill.shard.layers.embedding import LMHead, VocabParallel
+from rill.shard.layers.linear import Linear, loaded_shape, read_part
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,8 @@ def checkpoint_files(model_path: Path) -> list[Path]:
 
 def load_weights(model: CheckpointLayout, model_path: Path) -> None:
     """Copies every tensor of the checkpoint's files into `model`; fails if a parameter stays unloaded."""
+    if (Path(model_path) / GGUF_FILE).is_file():
+        return load_gguf_weights(model, Path(model_path))
     files = checkpoint_files(model_path)
     params = dict(model.named_parameters(remove_duplicate=False))
     names_per_file: list[tuple[Path, list[str]]] = []
@@ -112,12 +121,117 @@ def load_weights(model: CheckpointLayout, model_path: Path) -> None:
                         assert shard_id is None, f"{target} is fused but has no weight_loader"
                         _default_weight_loader(param, f.get_tensor(name))
                     loaded.add(target)
+    _check_complete(params, loaded, model_path)
+    logger.info("loaded %d tensors from %d safetensors file(s)", num_tensors, len(files))
+
+
+def _check_complete(params: dict[str, nn.Parameter], loaded: set[str], model_path: Path) -> None:
     # A tied LM head shares the embedding's tensor, so loading either name loads both.
     tied = {name for name, p in params.items() for other in loaded if params[other] is p}
     missing = sorted(set(params) - loaded - tied)
     if missing:
         raise ValueError(f"checkpoint in {model_path} lacks tensors for parameters: {missing}")
-    logger.info("loaded %d tensors from %d safetensors file(s)", num_tensors, len(files))
+
+
+GGUF_FILE = "model.gguf"
+# llama.cpp's names of a Llama-layout model's tensors -> Hugging Face's (blk.N.x -> model.layers.N.x).
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# The GGUF architectures whose files load as they are, and whether llama.cpp's converter permuted the rows of
+# their q and k projections (its rotary layout), which loading undoes.
+GGUF_NATIVE_ARCHITECTURES = {"llama": True, "qwen2": False}
+
+
+def gguf_hf_name(name: str) -> str:
+    """A GGUF tensor name as Hugging Face's checkpoint spells it (ValueError for a tensor outside the map)."""
+    base, suffix = name.rsplit(".", 1)
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        if part in _GGUF_NAMES:
+            return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{suffix}"
+    elif base in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[base]}.{suffix}"
+    raise ValueError(f"GGUF tensor {name!r} has no place in a Llama-layout model")
+
+
+def _unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Row i of the Hugging Face q/k weight is row index[i] of llama.cpp's: per head, llama.cpp interleaves
+    the two rotary halves (row 2j + t holds half t's row j)."""
+    return torch.arange(num_rows).view(num_heads, -1, 2).transpose(1, 2).reshape(-1)
+
+
+def load_gguf_weights(model: CheckpointLayout, model_path: Path) -> None:
+    """Loads `model_path / model.gguf` into `model`: quantized matrices (the `QTYPES`) go to their layers'
+    `load_quantized` as they are, other tensors are de-quantized (F16, BF16) to float and loaded as a
+    safetensors tensor would be."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    config = json.loads((model_path / "config.json").read_text())
+    # Copy-on-write mapping: the tensors are views of the file's pages, never written.
+    reader = GGUFReader(model_path / GGUF_FILE, "c")
+    architecture = str(reader.fields["general.architecture"].contents())
+    if architecture not in GGUF_NATIVE_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {architecture!r} does not load as it is (rill.convert expands it)"
+        )
+    heads = {"q_proj": config["num_attention_heads"],
+             "k_proj": config.get("num_key_value_heads", config["num_attention_heads"])}  # fmt: skip
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules: dict[str, Any] = dict(model.named_modules())  # type: ignore[attr-defined]
+    loaded: set[str] = set()
+    num_quantized = 0
+    for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor"):
+        name = gguf_hf_name(tensor.name)
+        target, shard_id, parts = checkpoint_target(model, name)
+        if target not in params or parts:
+            raise ValueError(f"GGUF tensor {tensor.name!r} ({name}) has no parameter in the model")
+        param, module = params[target], modules[target.rsplit(".", 1)[0]]
+        qtype = tensor.tensor_type.name
+        data = torch.from_numpy(tensor.data) if qtype in QTYPES else None
+        columns = int(tensor.shape[0])
+        projection = name.split(".")[-2]
+        if GGUF_NATIVE_ARCHITECTURES[architecture] and projection in heads and name.endswith(".weight"):
+            rows = _unpermute_rows(int(tensor.n_elements) // columns, heads[projection])
+        else:
+            rows = None
+        if data is not None and hasattr(module, "load_quantized") and param is module.weight:
+            module.load_quantized(
+                QuantizedTensor(qtype, data if rows is None else data[rows], columns), shard_id
+            )
+            num_quantized += 1
+        else:
+            values = torch.from_numpy(
+                np.asarray(gguf_dequantize(tensor.data, tensor.tensor_type), np.float32)
+            )
+            values = values.reshape(-1, columns) if values.dim() > 1 or data is not None else values
+            if rows is not None:
+                values = values[rows]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, values, shard_id)
+            else:
+                _default_weight_loader(param, values)
+        loaded.add(target)
+    _check_complete(params, loaded, model_path)
+    logger.info(
+        "loaded %d tensors from %s (%d quantized, kept as they are)",
+        len(reader.tensors),
+        GGUF_FILE,
+        num_quantized,
+    )
 
 
 def checkpoint_target(model: CheckpointLayout, name: str) -> tuple[str, object, list[tuple[object, int]]]:
@@ -163,3 +277,26 @@ def _resolve(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, obj
         if f".{hf_part}." in name:
             return name.replace(f".{hf_part}.", f".{fused}."), shard_id
     return name, None
+
+
+def quantize_weights(model: nn.Module, qtype: str) -> int:
+    """`--quantize`: each decoder projection's float weight to `qtype` blocks (q8_0, q4_0: the `gguf`
+    package's rounding, llama.cpp's), the embedding and an untied LM head to Q8_0 (finer, as llama.cpp's
+    quantizer keeps them); a matrix whose inputs are not a multiple of 32 stays float. Returns how many were
+    quantized."""
+    count = 0
+    for module in model.modules():
+        if (
+            not isinstance(module, Linear | VocabParallel)
+            or module.quantized is not None
+            or module.weight is None
+        ):
+            continue
+        if isinstance(module, LMHead) and module.is_tied:
+            continue
+        if module.weight.shape[1] % 32 != 0:
+            continue
+        target = "Q8_0" if isinstance(module, VocabParallel) else qtype.upper()
+        module.quantized = [quantize(module.weight.data, target)]
+        count += 1
+    return count

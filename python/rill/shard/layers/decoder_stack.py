@@ -70,14 +70,19 @@ class StackLayer:
 
 
 def _can_fuse(parts: StackLayer) -> bool:
-    """On the CPU kernels in full (projections packed in their layout), without soft-capping (the kernel has
-    none)."""
+    """On the CPU kernels in full (projections packed in their layout, or quantized matrices in a float32
+    model), without soft-capping (the kernel has none)."""
     linears = (parts.qkv, parts.o_proj, parts.gate_up, parts.down)
     modules = (parts.input_norm, parts.rotary, parts.attention, parts.post_norm, parts.act, *linears)
     return (
         all(isinstance(m.ops, cpu_kernels.CpuOps) for m in modules)
         and all(
-            m.packed is not None and m.packed.tensor.dtype in cpu_kernels.linear_dtypes() for m in linears
+            m.packed is not None
+            and (
+                m.packed.tensor.dtype in cpu_kernels.linear_dtypes()
+                or (m.packed.tensor.dtype == torch.uint8 and parts.input_norm.weight.dtype == torch.float32)
+            )
+            for m in linears
         )
         and parts.attention.softcap == 0.0
         and parts.input_norm.eps == parts.post_norm.eps

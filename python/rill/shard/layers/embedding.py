@@ -6,6 +6,10 @@ rows past the vocabulary); rank r holds rows [r * rows_per_rank, (r + 1) * rows_
   adds exactly one non-zero row per token, so the result is exact (a row gather, trivially batch-invariant).
 - LM head: each rank computes the logits of its range; they are gathered along the vocabulary in rank order
   and cut to the vocabulary size, so every rank holds the full logits and samples the same tokens.
+
+A quantized matrix (`load_quantized`, one rank only) stays in its file type: the embedding de-quantizes the
+rows it looks up (`KernelOps.dequantize_rows`), and the head multiplies it as `Linear` does; a tied head
+shares the embedding's packed matrix.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from rill.kernels.ops import KernelOps
+from rill.kernels.quant import QuantizedTensor, dequantize
 from rill.shard import distributed
 from rill.shard.layers.backend import KernelLayer
 from rill.shard.layers.linear import (
@@ -28,7 +33,7 @@ from rill.shard.layers.linear import (
 )
 
 
-class VocabParallel(nn.Module):
+class VocabParallel(KernelLayer):
     """This rank's rows [vocab_start, vocab_start + rows_per_rank) of a [vocab, hidden] matrix."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -39,6 +44,15 @@ class VocabParallel(nn.Module):
         self.vocab_start = tp_rank * self.rows_per_rank
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quantized: list[QuantizedTensor] | None = None  # `load_quantized`, until packed
+        self.packed: PackedWeight | None = None  # set with kernel ops, after loading
+
+    def load_quantized(self, tensor: QuantizedTensor, shard_id: object = None) -> None:
+        if distributed.get_world_size() != 1:
+            raise ValueError("quantized weights run on one shard only (--num-shard 1)")
+        if tensor.shape != tuple(self.weight.shape):
+            raise ValueError(f"quantized vocabulary matrix {tensor.shape} != {tuple(self.weight.shape)}")
+        self.quantized = [tensor]
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: object = None) -> None:
         assert shard_id is None, f"unexpected shard id {shard_id!r} for a vocabulary matrix"
@@ -50,7 +64,28 @@ class VocabParallel(nn.Module):
 
 
 class Embedding(VocabParallel):
+    def accepts(self, ops: KernelOps) -> bool:
+        return ops.provides("dequantize_rows")
+
+    def use_ops(self, ops: KernelOps | None) -> None:
+        """A quantized matrix is packed for ops that look rows up in it, else de-quantized once."""
+        super().use_ops(ops)
+        if self.quantized is None:
+            return
+        if self.ops is not None:
+            self.packed = PackedWeight(self.quantized, self.ops)
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(
+                torch.cat([dequantize(p) for p in self.quantized]), requires_grad=False
+            )
+        self.quantized = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.ops.dequantize_rows(self.packed.tensor, input_ids.reshape(-1)).view(
+                *input_ids.shape, self.packed.in_features
+            )
         if distributed.get_world_size() == 1:
             return self.weight[input_ids]
         local_ids = input_ids - self.vocab_start
@@ -59,25 +94,37 @@ class Embedding(VocabParallel):
         return distributed.all_reduce(rows)
 
 
-class LMHead(VocabParallel, KernelLayer):
+class LMHead(VocabParallel):
     """Logits for the given hidden rows, in float32. Tied (`tie_to`), `weight` is the embedding's; on kernel
     ops with `linear` the head multiplies by a packed copy (`PackedWeight`) and an untied head keeps only
     that."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.is_tied = False
-        self.packed: PackedWeight | None = None  # set with kernel ops, after loading
+        self.tied_to: Embedding | None = None
+
+    @property
+    def is_tied(self) -> bool:
+        return self.tied_to is not None
 
     def tie_to(self, embedding: Embedding) -> None:
         self.weight = embedding.weight
-        self.is_tied = True
+        object.__setattr__(self, "tied_to", embedding)  # a plain reference, not a submodule of the head
 
     def accepts(self, ops: KernelOps) -> bool:
         return ops.provides("linear")
 
     def use_ops(self, ops: KernelOps | None) -> None:
+        """Tied, the head reads the embedding's matrix as the embedding holds it after its own `use_ops`
+        (which `install_ops` runs first: the embedding comes first in the model): its quantized packed matrix,
+        or its (possibly de-quantized) weight."""
         super().use_ops(ops)
+        if self.tied_to is not None:
+            assert self.tied_to.quantized is None, "the embedding installs its ops before the head"
+            if self.ops is not None and self.tied_to.packed is not None:
+                self.packed, self.weight = self.tied_to.packed, None
+                return
+            self.weight = self.tied_to.weight
         self.packed = pack_for(self, keep_weight=self.is_tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,12 @@ gate/up -> silu -> down each cost one all-reduce. With one rank every layer is t
 Each parameter carries a `weight_loader(param, loaded, shard_id)` that `rill.shard.weights` calls with a
 checkpoint tensor or a lazily read safetensors slice; the loader reads only this rank's rows or columns.
 Fused layers (qkv, gate/up) map the Hugging Face tensors (`shard_id` names the part) into their slices.
+
+Quantized weights (a GGUF file served as it is, or `--quantize`) reach a layer through `load_quantized`
+instead: each part stays a `rill.kernels.quant.QuantizedTensor`, and the ops that provide `pack_quantized`
+multiply them as they are (the CPU kernels, with float32 or int8 activations: docs/kernels.md). On the torch
+references the layer de-quantizes its weight once and multiplies floats. One rank only: a quantized weight is
+not split.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from torch import nn
 
 from rill.kernels.ops import KernelOps
+from rill.kernels.quant import QuantizedTensor, dequantize
 from rill.shard import distributed
 from rill.shard.layers.backend import KernelLayer
 
@@ -47,12 +54,17 @@ class AdapterProduct(Protocol):
 
 
 class PackedWeight:
-    """A layer's weight [out, in] as kernel ops multiply it: packed once by `ops.pack_linear`."""
+    """A layer's weight [out, in] as kernel ops multiply it: packed once by `ops.pack_linear`, or, quantized
+    (its parts in row order), by `ops.pack_quantized`."""
 
-    def __init__(self, weight: torch.Tensor, ops: KernelOps) -> None:
+    def __init__(self, weight: torch.Tensor | list[QuantizedTensor], ops: KernelOps) -> None:
         self.ops = ops
-        self.out_features, self.in_features = weight.shape
-        self.tensor = ops.pack_linear(weight)
+        if isinstance(weight, list):
+            self.out_features, self.in_features = sum(p.shape[0] for p in weight), weight[0].shape[1]
+            self.tensor = ops.pack_quantized(weight)
+        else:
+            self.out_features, self.in_features = weight.shape
+            self.tensor = ops.pack_linear(weight)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ weight.T`, row r depending only on row r of x (where the ops promise it)."""
@@ -62,7 +74,15 @@ class PackedWeight:
 def pack_for(layer: Any, keep_weight: bool) -> PackedWeight | None:
     """The packed weight of a layer (a `Linear`, the LM head) whose ops provide `linear`, packed once (None
     while it has neither ops nor a packed weight); unless `keep_weight` (a tied weight others read), the
-    packed copy replaces the layer's `weight`."""
+    packed copy replaces the layer's `weight`. A quantized layer (`quantized` set) is packed from its parts
+    where the ops provide `pack_quantized`; otherwise its weight is de-quantized once, for the references."""
+    if layer.quantized is not None:
+        if layer.ops is not None and layer.ops.provides("pack_quantized"):
+            packed = PackedWeight(layer.quantized, layer.ops)
+            layer.weight = None
+            return packed
+        layer.weight = nn.Parameter(torch.cat([dequantize(p) for p in layer.quantized]), requires_grad=False)
+        layer.quantized = None
     if layer.ops is None or layer.packed is not None:
         return layer.packed
     packed = PackedWeight(layer.weight, layer.ops)
@@ -125,6 +145,9 @@ class Linear(KernelLayer):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         self.packed: PackedWeight | None = None  # set with kernel ops, after loading
+        # Quantized parts in row order (`load_quantized`), until packed; None for a float weight.
+        self.quantized: list[QuantizedTensor] | None = None
+        self._quantized_parts: dict[object, QuantizedTensor] = {}
         # Adapter slots (rill.shard.layers.lora), set before the ops are installed when the shard serves LoRA.
         self.lora: AdapterProduct | None = None
 
@@ -132,12 +155,32 @@ class Linear(KernelLayer):
         assert shard_id is None, f"unexpected shard id {shard_id!r} for an unfused parameter"
         copy_into(param.data, read_part(loaded))
 
+    def load_quantized(self, tensor: QuantizedTensor, shard_id: object = None) -> None:
+        """Takes a quantized checkpoint tensor (a part of a fused layer under `shard_id`) as it is; once every
+        part is there, they replace the float weight, in the order of the layer's rows."""
+        if self.tp_size != 1:
+            raise ValueError("quantized weights run on one shard only (--num-shard 1)")
+        parts = getattr(self, "parts", {None: (0, self.weight.shape[0], 0)})
+        if shard_id not in parts:
+            raise ValueError(f"unknown part {shard_id!r}; this layer has {list(parts)}")
+        _, size, _ = parts[shard_id]
+        if tensor.shape != (size, self.weight.shape[1]):
+            raise ValueError(
+                f"quantized weight {tensor.shape} does not match "
+                f"{(size, self.weight.shape[1])} ({shard_id!r})"
+            )
+        self._quantized_parts[shard_id] = tensor
+        if len(self._quantized_parts) == len(parts):
+            self.quantized = [self._quantized_parts.pop(part) for part in parts]
+
     def accepts(self, ops: KernelOps) -> bool:
         return ops.provides("linear")
 
     def use_ops(self, ops: KernelOps | None) -> None:
         super().use_ops(ops)
         self.packed = pack_for(self, keep_weight=False)
+        if self.packed is not None:
+            self.quantized = None
         if self.lora is not None:
             self.lora.use_ops(ops)
 

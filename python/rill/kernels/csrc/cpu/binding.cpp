@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -301,14 +302,145 @@ void check_linear_dtype(const at::Tensor& t, const char* what) {
 #endif
 }
 
+// A quantized matrix (ops.h, "Quantized matrices"): its header, checked against the buffer it sits in.
+rill_cpu::QuantHeader quant_header(const at::Tensor& packed, const char* what) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.dim() == 1 &&
+                  packed.is_contiguous() && packed.numel() >= static_cast<int64_t>(sizeof(rill_cpu::QuantHeader)),
+              what, " must be a quantized matrix (a contiguous uint8 buffer from pack_quantized)");
+  rill_cpu::QuantHeader header;
+  std::memcpy(&header, packed.const_data_ptr(), sizeof header);
+  TORCH_CHECK(header.magic == rill_cpu::kQuantMagic, what, " is not a quantized matrix (bad magic)");
+  TORCH_CHECK(header.num_parts >= 1 && header.num_parts <= rill_cpu::kMaxQuantParts, what, " has ",
+              header.num_parts, " parts");
+  TORCH_CHECK(header.int8_activations == 0 || header.int8_activations == 1, what, " is malformed");
+  int64_t rows = 0;
+  for (int64_t p = 0; p < header.num_parts; ++p) {
+    const rill_cpu::QuantPart& part = header.parts[p];
+    const int64_t elems = rill_cpu::quant_block_elems(part.qtype);
+    TORCH_CHECK(elems != 0 && header.k % elems == 0 && part.rows >= 0 && part.offset >= 0 &&
+                    part.offset + part.rows * (header.k / elems) * rill_cpu::quant_block_bytes(part.qtype) <=
+                        packed.numel(),
+                what, ": part ", p, " is malformed");
+    rows += part.rows;
+  }
+  TORCH_CHECK(rows == header.n, what, ": its parts hold ", rows, " rows, the header says ", header.n);
+  return header;
+}
+
 void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t n, int64_t k, const char* what) {
+  if (packed.scalar_type() == at::kByte) {
+    TORCH_CHECK(dtype == at::kFloat, what, " is a quantized matrix, which multiplies float32 activations only");
+    const rill_cpu::QuantHeader header = quant_header(packed, what);
+    TORCH_CHECK(header.n == n && header.k == k, what, " must be a quantized matrix of N = ", n, " and K = ", k,
+                ", got ", header.n, " x ", header.k);
+    return;
+  }
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == dtype && packed.is_contiguous() &&
                   packed.sizes() == at::IntArrayRef(packed_shape(dtype, n, k)),
               what, " must be a ", dtype, " weight packed by pack_linear for K = ", k, " and N = ", n, ", got ",
               packed.scalar_type(), " ", packed.sizes());
 }
 
-// w must be a CPU weight [N, K] of a dtype `linear` multiplies.
+// The bytes of a quantized matrix of these parts (types and row counts) for K inputs: the header, then each
+// part 64-byte aligned. Also fills the header's parts when given one.
+int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k,
+                     rill_cpu::QuantHeader* header, bool int8_activations = false) {
+  TORCH_CHECK(!qtypes.empty() && qtypes.size() == rows.size() &&
+                  qtypes.size() <= static_cast<size_t>(rill_cpu::kMaxQuantParts),
+              "a quantized matrix has 1 to ", rill_cpu::kMaxQuantParts, " parts, each a type and a row count");
+  int64_t offset = 64 * ((static_cast<int64_t>(sizeof(rill_cpu::QuantHeader)) + 63) / 64), n = 0;
+  for (size_t p = 0; p < qtypes.size(); ++p) {
+    const int64_t elems = rill_cpu::quant_block_elems(qtypes[p]);
+    TORCH_CHECK(elems != 0, "quantized type ", qtypes[p], " is not one these kernels multiply");
+    TORCH_CHECK(k > 0 && k % elems == 0, "K = ", k, " is not a multiple of the type's block of ", elems);
+    TORCH_CHECK(rows[p] >= 0, "a part's row count must be >= 0");
+    if (header != nullptr) header->parts[p] = {qtypes[p], rows[p], offset};
+    offset += 64 * ((rows[p] * (k / elems) * rill_cpu::quant_block_bytes(qtypes[p]) + 63) / 64);
+    n += rows[p];
+  }
+  if (header != nullptr) {
+    header->magic = rill_cpu::kQuantMagic;
+    header->n = n;
+    header->k = k;
+    header->num_parts = static_cast<int64_t>(qtypes.size());
+    header->int8_activations = int8_activations ? 1 : 0;
+  }
+  return offset;
+}
+
+int64_t quant_packed_bytes(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k) {
+  return quant_layout(qtypes, rows, k, nullptr);
+}
+
+// Writes the quantized matrix of `parts` ((ggml type, uint8 [rows, row bytes]) each, in row order) into `out`,
+// to be multiplied with int8 or float32 activations.
+void pack_quantized(at::Tensor out, const std::vector<std::tuple<int64_t, at::Tensor>>& parts, int64_t k,
+                    bool int8_activations) {
+  std::vector<int64_t> qtypes, rows;
+  for (const auto& [qtype, data] : parts) {
+    qtypes.push_back(qtype);
+    rows.push_back(data.dim() == 2 ? data.size(0) : -1);
+  }
+  rill_cpu::QuantHeader header{};
+  const int64_t bytes = quant_layout(qtypes, rows, k, &header, int8_activations);
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous() &&
+                  out.numel() == bytes,
+              "out must be a contiguous uint8 buffer of ", bytes, " bytes");
+  uint8_t* base = out.data_ptr<uint8_t>();
+  std::memset(base, 0, bytes);
+  std::memcpy(base, &header, sizeof header);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const at::Tensor& data = std::get<1>(parts[p]);
+    const int64_t row_bytes = k / rill_cpu::quant_block_elems(qtypes[p]) * rill_cpu::quant_block_bytes(qtypes[p]);
+    TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.size(1) == row_bytes,
+                "part ", p, " must be a uint8 [rows, ", row_bytes, "] tensor of its type's blocks");
+    const at::Tensor contiguous = data.contiguous();
+    std::memcpy(base + header.parts[p].offset, contiguous.const_data_ptr(), rows[p] * row_bytes);
+  }
+}
+
+std::tuple<int64_t, int64_t> quant_shape(const at::Tensor& packed) {
+  const rill_cpu::QuantHeader header = quant_header(packed, "packed");
+  return {header.n, header.k};
+}
+
+// Each part of a quantized matrix: (ggml type, rows, byte offset in the buffer).
+std::vector<std::tuple<int64_t, int64_t, int64_t>> quant_parts(const at::Tensor& packed) {
+  const rill_cpu::QuantHeader header = quant_header(packed, "packed");
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> parts;
+  for (int64_t p = 0; p < header.num_parts; ++p) {
+    parts.emplace_back(header.parts[p].qtype, header.parts[p].rows, header.parts[p].offset);
+  }
+  return parts;
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, bool portable) {
+  const rill_cpu::QuantHeader header = quant_header(packed, "the weight");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == header.k,
+              "x must be a float32 CPU tensor [M, ", header.k, "], got ", x.scalar_type(), " ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  auto y = at::empty({xc.size(0), header.n}, xc.options());
+  if (xc.size(0) == 0 || header.n == 0) return y;
+  rill_cpu::quantized_linear(xc.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(), y.data_ptr<float>(),
+                             xc.size(0), header.k, header.n, num_threads(), portable);
+  return y;
+}
+
+at::Tensor dequantize_rows(const at::Tensor& packed, const at::Tensor& ids) {
+  const rill_cpu::QuantHeader header = quant_header(packed, "packed");
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1, "ids must be a CPU vector");
+  const at::Tensor rows = ids.to(at::kLong).contiguous();
+  const int64_t* row_ptr = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(row_ptr[i] >= 0 && row_ptr[i] < header.n, "ids[", i, "] = ", row_ptr[i], " is outside [0, ",
+                header.n, ")");
+  }
+  auto out = at::empty({rows.numel(), header.k}, at::TensorOptions().dtype(at::kFloat));
+  rill_cpu::dequantize_rows(packed.const_data_ptr<uint8_t>(), row_ptr, rows.numel(), header.k,
+                            out.data_ptr<float>(), num_threads());
+  return out;
+}
+
 void check_weight(const at::Tensor& w) {
   check_cpu(w, "w");
   TORCH_CHECK(w.dim() == 2, "pack_linear needs a weight [N, K], got ", w.sizes());
@@ -338,6 +470,10 @@ void pack_linear(const at::Tensor& w, at::Tensor packed) {
 
 // x [M, K] @ w^T with w [N, K] packed by pack_linear, in x's dtype (the weight's).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  if (packed.scalar_type() == at::kByte) {
+    TORCH_CHECK(std::get<0>(quant_shape(packed)) == n, "linear's weight does not have ", n, " rows");
+    return quantized_linear(x, packed, false);
+  }
   check_cpu(x, "x");
   TORCH_CHECK(x.dim() == 2, "linear needs x [M, K], got ", x.sizes());
   check_linear_dtype(x, "linear's x");
@@ -560,6 +696,10 @@ class DecoderStack {
       layer.o_proj_lora_rank = rank(w.o_proj_lora_b);
       layer.gate_up_lora_rank = rank(w.gate_up_lora_b);
       layer.down_lora_rank = rank(w.down_lora_b);
+      const auto quantized = [](const c10::optional<at::Tensor>& t, unsigned bit) {
+        return t->scalar_type() == at::kByte ? 1u << bit : 0u;
+      };
+      layer.quantized = quantized(w.qkv, 0) | quantized(w.o_proj, 1) | quantized(w.gate_up, 2) | quantized(w.down, 3);
     }
     rill_cpu::DecoderStackArgs args{};
     args.layers = layers.data();
@@ -632,6 +772,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, release_gil);
   m.def("softmax_stats", &softmax_stats, release_gil);
   m.def("lora_add", &lora_add, release_gil);
+  m.def("quant_packed_bytes", &quant_packed_bytes);
+  m.def("pack_quantized", &pack_quantized, release_gil);
+  m.def("quant_shape", &quant_shape);
+  m.def("quant_parts", &quant_parts);
+  m.def("quantized_linear", &quantized_linear, py::arg("x"), py::arg("packed"), py::arg("portable") = false,
+        release_gil);
+  m.def("dequantize_rows", &dequantize_rows, release_gil);
+  m.attr("HAS_AVX2_QUANT") = rill_cpu::has_avx2_quant();
   {
     py::class_<DecoderLayerWeights> weights(m, "DecoderLayerWeights");
     weights.def(py::init<>()).def_readwrite("sliding_window", &DecoderLayerWeights::sliding_window);

@@ -1,6 +1,8 @@
 // A Llama-family decoder stack in one call (ops.h, decoder_stack): the per-layer kernels chained in C++, with no
 // Python between them. The order of operations is that of LlamaDecoderLayer.forward (pre-norm, the residual
 // stream carried apart so each add fuses into the next norm). At least one layer.
+#include <type_traits>
+
 #include "ops.h"
 
 namespace rill_cpu {
@@ -25,12 +27,20 @@ struct Lora {
   int64_t num_parts;
 };
 
-// y = x @ w^T, plus each row's LoRA product (lora_add), + bias (added in float32 and rounded to T, as torch adds
-// two tensors of T): the order of Linear.forward.
+// y = x @ w^T (w packed, or a quantized matrix), plus each row's LoRA product (lora_add), + bias (added in float32
+// and rounded to T, as torch adds two tensors of T): the order of Linear.forward.
 template <typename T>
-void project(const T* x, const void* packed, const void* bias, const Lora& lora, T* y, int64_t m, int64_t k,
-             int64_t n, int num_threads) {
-  linear(x, as<T>(packed), y, m, k, n, num_threads);
+void project(const T* x, const void* packed, bool quantized, const void* bias, const Lora& lora, T* y, int64_t m,
+             int64_t k, int64_t n, int num_threads) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (quantized) {
+      quantized_linear(x, static_cast<const uint8_t*>(packed), y, m, k, n, num_threads);
+    } else {
+      linear(x, as<T>(packed), y, m, k, n, num_threads);
+    }
+  } else {
+    linear(x, as<T>(packed), y, m, k, n, num_threads);  // the binding refuses quantized matrices here
+  }
   if (lora.a != nullptr && lora.slots != nullptr) {
     lora_add(y, x, as<T>(lora.a), as<T>(lora.b), lora.slots, m, k, lora.rank, lora.part_ends, lora.num_parts,
              num_threads);
@@ -79,7 +89,7 @@ void decoder_stack(const DecoderStackArgs& a) {
     }
     const Lora qkv_lora{layer.qkv_lora_a, layer.qkv_lora_b, layer.qkv_lora_rank, a.lora_slots,
                         {q_size, q_size + kv_size, qkv_size}, 3};
-    project<T>(normed, layer.qkv, layer.qkv_bias, qkv_lora, qkv, tokens, hidden, qkv_size, threads);
+    project<T>(normed, layer.qkv, (layer.quantized >> 0) & 1u, layer.qkv_bias, qkv_lora, qkv, tokens, hidden, qkv_size, threads);
     rotary_embedding<T>(qkv, qkv_size, attention.num_heads, qkv + q_size, qkv_size, attention.num_kv_heads,
                         as<T>(a.cos), as<T>(a.sin), tokens, head_dim, threads);
     if (layer.k_scales != nullptr) {
@@ -99,17 +109,17 @@ void decoder_stack(const DecoderStackArgs& a) {
     paged_attention<T>(attention);
     const Lora o_proj_lora{layer.o_proj_lora_a, layer.o_proj_lora_b, layer.o_proj_lora_rank, a.lora_slots,
                            {hidden}, 1};
-    project<T>(attention_out, layer.o_proj, layer.o_proj_bias, o_proj_lora, layer_out, tokens, q_size, hidden,
+    project<T>(attention_out, layer.o_proj, (layer.quantized >> 1) & 1u, layer.o_proj_bias, o_proj_lora, layer_out, tokens, q_size, hidden,
                threads);
     fused_add_rms_norm<T>(normed, residual, layer_out, residual_in, as<T>(layer.post_norm), tokens, hidden,
                           a.rms_norm_eps, threads);
     const Lora gate_up_lora{layer.gate_up_lora_a, layer.gate_up_lora_b, layer.gate_up_lora_rank, a.lora_slots,
                             {inter, 2 * inter}, 2};
-    project<T>(normed, layer.gate_up, layer.gate_up_bias, gate_up_lora, gate_up, tokens, hidden, 2 * inter,
+    project<T>(normed, layer.gate_up, (layer.quantized >> 2) & 1u, layer.gate_up_bias, gate_up_lora, gate_up, tokens, hidden, 2 * inter,
                threads);
     silu_and_mul<T>(activation, gate_up, tokens, inter, threads);
     const Lora down_lora{layer.down_lora_a, layer.down_lora_b, layer.down_lora_rank, a.lora_slots, {hidden}, 1};
-    project<T>(activation, layer.down, layer.down_bias, down_lora, layer_out, tokens, inter, hidden, threads);
+    project<T>(activation, layer.down, (layer.quantized >> 3) & 1u, layer.down_bias, down_lora, layer_out, tokens, inter, hidden, threads);
   }
 }
 

@@ -99,6 +99,45 @@ void pack_linear(const T* w, T* packed, int64_t n, int64_t k);
 template <typename T>
 void linear(const T* x, const T* packed, T* y, int64_t m, int64_t k, int64_t n, int num_threads);
 
+// Quantized matrices (quant.cpp): a weight [n, k] as GGUF files hold it, rows of blocks, in up to kMaxQuantParts
+// parts of consecutive rows, each of one type (a fused q/k/v may mix Q4_K and Q6_K rows), behind a header in one
+// uint8 buffer: QuantHeader, then each part's rows at its offset (64-byte aligned). The types are ggml's, by its
+// numbers; k is a multiple of the type's block (256 for the K types, else 32).
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t quant_block_bytes(int64_t qtype) {
+  return qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : qtype == kQ5_0 ? 22 : qtype == kQ5_1 ? 24 : qtype == kQ8_0 ? 34
+       : qtype == kQ4_K ? 144 : qtype == kQ5_K ? 176 : qtype == kQ6_K ? 210 : 0;
+}
+constexpr int64_t quant_block_elems(int64_t qtype) {
+  return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K ? 256 : quant_block_bytes(qtype) != 0 ? 32 : 0;
+}
+constexpr int64_t kQuantMagic = 0x314d51524c4c4952;  // "RILLRQM1"
+constexpr int kMaxQuantParts = 4;
+struct QuantPart {
+  int64_t qtype;
+  int64_t rows;
+  int64_t offset;  // bytes from the start of the buffer
+};
+struct QuantHeader {
+  int64_t magic;
+  int64_t n;
+  int64_t k;
+  int64_t num_parts;
+  int64_t int8_activations;  // 1: x is quantized to int8 per row for the product; 0: x stays float32
+  QuantPart parts[kMaxQuantParts];
+};
+
+// y [m, n] = x [m, k] @ w^T for float32 x and a quantized matrix w, with float32 activations or (as the matrix
+// says) int8 ones quantized per row in blocks of 32; a fixed float order per output (quant.cpp), so a row's bits
+// do not depend on m nor the threads. `portable` runs the plain C++ path (bitwise equal to the AVX2 one).
+void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m, int64_t k, int64_t n,
+                      int num_threads, bool portable = false);
+// out [num_rows, k] = rows `rows` of the quantized matrix, de-quantized as ggml does.
+void dequantize_rows(const uint8_t* packed, const int64_t* rows, int64_t num_rows, int64_t k, float* out,
+                     int num_threads);
+// Whether quantized_linear has its AVX2 path in this build.
+bool has_avx2_quant();
+
 // LoRA (lora.cpp): for each row r of x [num_rows, in] whose slot s = row_slots[r] is >= 0, h = lora_a[s] x[r]
 // (lora_a [S, P * R, in], part p's rows [p * R, (p + 1) * R)), then y[r, o] += lora_b[s, o] . h[p * R ..
 // (p + 1) * R) for the outputs o of part p, [part_ends[p - 1], part_ends[p]) (lora_b [S, out, R], out =
@@ -119,7 +158,7 @@ void softmax_stats(const float* x, int64_t num_rows, int64_t n, float* row_maxes
 // shard hands them over (binding.cpp exports the names as DECODER_LAYER_FIELDS, and rill/kernels/cpu.py builds
 // each layer from them). Norms are [hidden]; projections are packed by pack_linear (qkv [q + k + v features,
 // hidden], o_proj [hidden, num_heads * head_dim], gate_up [2 * intermediate, hidden] with the gate's rows first,
-// down [hidden, intermediate]); optional biases are [out features]; optional LoRA stacks are lora_add's lora_a
+// down [hidden, intermediate]; any of them may be a quantized matrix instead); optional biases are [out features]; optional LoRA stacks are lora_add's lora_a
 // [S, P * R, in] and lora_b [S, out, R] of a projection (parts: q, k, v; gate, up; one for o_proj and down).
 #define RILL_DECODER_LAYER_WEIGHTS(X) \
   X(input_norm, false)                \
@@ -150,6 +189,9 @@ struct DecoderLayer {
   int64_t o_proj_lora_rank;
   int64_t gate_up_lora_rank;
   int64_t down_lora_rank;
+  // Projections given as quantized matrices (quant.cpp) rather than packed float weights: bit 0 qkv, 1 o_proj,
+  // 2 gate_up, 3 down. Only in float32 stacks.
+  unsigned quantized;
   void* k_pool;            // this layer's pools, as for paged_attention
   void* v_pool;
   float* k_scales;         // int8 pools: their scale pools (null: pools of T)

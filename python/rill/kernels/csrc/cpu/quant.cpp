@@ -1,0 +1,568 @@
+// Quantized weights as GGUF files ship them (ops.h, "Quantized matrices"): y = x @ w^T with w's blocks read as
+// they are, and rows of w de-quantized for an embedding lookup.
+//
+// A weight sub-block of 32 inputs decodes to 32 small integers q with a float scale d and min m (the weight is
+// d * q + m, m = 0 for the types without one; Q6_K's integer scale per 16 inputs goes into q). Two ways to
+// multiply it, chosen per matrix when it is packed (QuantHeader::int8_activations):
+//
+// - float activations (the file's quality, no rounding beyond float32 sums): per sub-block and row, eight float
+//   lanes s_l = x_l q_l + x_{8+l} q_{8+l} + x_{16+l} q_{16+l} + x_{24+l} q_{24+l} (a multiply, then fused
+//   multiply-adds), acc_l = fma(s_l, d, acc_l), and the min term m * sum(x of the sub-block) in a chain of its own.
+// - int8 activations (llama.cpp's way, fewer instructions per weight): each row of x quantized on its own, in
+//   blocks of 32, to int8 with one float scale dx = max|x| / 127 (q_x = round-half-even(x / dx)); per sub-block
+//   eight int32 lanes (lane l sums inputs 4l..4l+3, exactly: no int16 saturation is possible for these value
+//   ranges), acc_l = fma(float(isum_l), d * dx, acc_l), and the min term m * (dx * sum(q_x)).
+//
+// Either way every output is computed one fixed way, whatever the row count, the tile or the thread: the lane
+// chains over the sub-blocks in order, the min chain, then a fixed tree over the lanes. So a row's bits do not
+// depend on the batch. The portable path (any CPU; `portable` forces it) runs the same arithmetic and is
+// bitwise equal to the AVX2 one.
+//
+// Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
+// times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A tile
+// is one weight row against up to kTileRows rows of x: the weight sub-block is decoded once per tile.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RILL_QUANT_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace rill_cpu {
+namespace {
+
+constexpr int kTileRows = 8;          // rows of x a tile carries: 8 accumulators of the 16 AVX2 registers
+constexpr int64_t kRowBlock = 64;     // rows of x a prefill task keeps in cache
+constexpr int64_t kWeightChunk = 16;  // weight rows per task
+constexpr int64_t kSub = 32;          // inputs per activation block and per weight sub-block
+
+float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block (its 12 packed bytes).
+void scale_min_k4(int j, const uint8_t* q, int* scale, int* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One sub-block of 32 weights, decoded: q as 32 small integers (signed types: -128..127; unsigned: 0..31), its
+// float scale d and min m (w = d * q * scale16 + m), and for Q6_K the integer scale of each half (else 1).
+struct SubBlock {
+  int8_t q[kSub];
+  float d;
+  float m;
+  int16_t scale16[2];
+};
+
+template <int64_t QT>
+constexpr bool kSigned = QT == kQ8_0 || QT == kQ6_K;
+template <int64_t QT>
+constexpr bool kHasMin = !kSigned<QT>;
+template <int64_t QT>
+constexpr int64_t kBlockElems = (QT == kQ4_K || QT == kQ5_K || QT == kQ6_K) ? 256 : 32;
+
+// Sub-block s (0 .. kBlockElems / 32) of the block at `b`, portable.
+template <int64_t QT>
+void decode(const uint8_t* b, int s, SubBlock* out) {
+  out->scale16[0] = out->scale16[1] = 1;
+  out->m = 0.0f;
+  if constexpr (QT == kQ8_0) {
+    out->d = half_to_float(b);
+    std::memcpy(out->q, b + 2, kSub);
+  } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    const uint8_t* qs = b + (QT == kQ4_0 ? 2 : 4);
+    out->d = half_to_float(b);
+    out->m = QT == kQ4_0 ? -8.0f * out->d : half_to_float(b + 2);
+    for (int i = 0; i < 16; ++i) {
+      out->q[i] = static_cast<int8_t>(qs[i] & 0xf);
+      out->q[i + 16] = static_cast<int8_t>(qs[i] >> 4);
+    }
+  } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
+    const int head = QT == kQ5_0 ? 2 : 4;
+    uint32_t qh;
+    std::memcpy(&qh, b + head, sizeof qh);
+    const uint8_t* qs = b + head + 4;
+    out->d = half_to_float(b);
+    out->m = QT == kQ5_0 ? -16.0f * out->d : half_to_float(b + 2);
+    for (int i = 0; i < 16; ++i) {
+      out->q[i] = static_cast<int8_t>((qs[i] & 0xf) | (((qh >> i) & 1u) << 4));
+      out->q[i + 16] = static_cast<int8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4));
+    }
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const uint8_t* scales = b + 4;
+    const uint8_t* qh = b + 16;                                 // Q5_K only
+    const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + 32 * (s / 2);
+    int scale, min;
+    scale_min_k4(s, scales, &scale, &min);
+    out->d = half_to_float(b) * static_cast<float>(scale);
+    out->m = -(half_to_float(b + 2) * static_cast<float>(min));
+    for (int i = 0; i < kSub; ++i) {
+      int v = s % 2 == 0 ? (qs[i] & 0xf) : (qs[i] >> 4);
+      if constexpr (QT == kQ5_K) v |= ((qh[i] >> s) & 1) << 4;
+      out->q[i] = static_cast<int8_t>(v);
+    }
+  } else {  // Q6_K: ql[128], qh[64], int8 scales[16], half d
+    const int half = s / 4, t = s % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (t % 2);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
+    out->d = half_to_float(b + 208);
+    out->scale16[0] = scales[2 * t];
+    out->scale16[1] = scales[2 * t + 1];
+    for (int i = 0; i < kSub; ++i) {
+      const int low = t < 2 ? (ql[i] & 0xf) : (ql[i] >> 4);
+      out->q[i] = static_cast<int8_t>((low | (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
+    }
+  }
+}
+
+// The de-quantized values of one block, as ggml's reference de-quantization computes them (scale, then min).
+template <int64_t QT>
+void dequantize_block(const uint8_t* b, float* out) {
+  for (int s = 0; s < kBlockElems<QT> / kSub; ++s) {
+    SubBlock sub;
+    decode<QT>(b, s, &sub);
+    for (int i = 0; i < kSub; ++i) {
+      if constexpr (QT == kQ6_K) {
+        out[s * kSub + i] = sub.d * static_cast<float>(sub.scale16[i / 16]) * static_cast<float>(sub.q[i]);
+      } else if constexpr (QT == kQ8_0) {
+        out[s * kSub + i] = static_cast<float>(sub.q[i]) * sub.d;
+      } else if constexpr (QT == kQ4_0 || QT == kQ5_0) {  // (q - offset) * d, the offset folded out of m
+        const float offset = QT == kQ4_0 ? 8.0f : 16.0f;
+        out[s * kSub + i] = (static_cast<float>(sub.q[i]) - offset) * sub.d;
+      } else {  // Q4_1, Q5_1: d * q + m; Q4_K, Q5_K: d * q - min
+        out[s * kSub + i] = sub.d * static_cast<float>(sub.q[i]) + sub.m;
+      }
+    }
+  }
+}
+
+// x as the tiles read it: float32 rows as they are, with sx = the sum of each block of 32 (in order); or, for
+// int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q).
+struct QuantizedRows {
+  const float* x;
+  std::vector<int8_t> q;
+  std::vector<float> dx, sx;
+};
+
+void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows* out, int num_threads) {
+  const int64_t blocks = k / kSub;
+  out->x = x;
+  out->sx.resize(m * blocks);
+  if (int8) {
+    out->q.resize(m * k);
+    out->dx.resize(m * blocks);
+  }
+  at::parallel_for(0, m * blocks, num_threads > 1 && m * k >= (1 << 16) ? 256 : m * blocks + 1,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i) {
+                       const float* v = x + (i / blocks) * k + (i % blocks) * kSub;
+                       if (!int8) {
+                         float sum = 0.0f;
+                         for (int j = 0; j < kSub; ++j) sum += v[j];
+                         out->sx[i] = sum;
+                         continue;
+                       }
+                       int8_t* q = out->q.data() + (i / blocks) * k + (i % blocks) * kSub;
+                       float amax = 0.0f;
+                       for (int j = 0; j < kSub; ++j) amax = std::max(amax, std::fabs(v[j]));
+                       const float d = amax / 127.0f;
+                       const float id = d != 0.0f ? 1.0f / d : 0.0f;
+                       int sum = 0;
+                       for (int j = 0; j < kSub; ++j) {
+                         q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+                         sum += q[j];
+                       }
+                       out->dx[i] = d;
+                       out->sx[i] = d * static_cast<float>(sum);
+                     }
+                   });
+}
+
+// The fixed tree over eight lanes: (l0 + l4, l1 + l5, l2 + l6, l3 + l7), then pairs 2 apart, then the last two.
+inline float lane_tree(const float* l) {
+  const float a0 = l[0] + l[4], a1 = l[1] + l[5], a2 = l[2] + l[6], a3 = l[3] + l[7];
+  const float b0 = a0 + a2, b1 = a1 + a3;
+  return b0 + b1;
+}
+
+// One weight row (its blocks at `w`) against `rows` rows of float x starting at row r0: y[i * ldy].
+template <int64_t QT>
+void tile_float_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, int rows, float* y,
+                         int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  float acc[kTileRows][8] = {}, macc[kTileRows] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < subs; ++s) {
+      SubBlock sub;
+      decode<QT>(w + b * block_bytes, s, &sub);
+      float q[kSub];
+      for (int e = 0; e < kSub; ++e) q[e] = static_cast<float>(sub.q[e] * sub.scale16[e / 16]);
+      const int64_t g = b * subs + s;
+      for (int r = 0; r < rows; ++r) {
+        const float* xv = xr.x + (r0 + r) * k + g * kSub;
+        for (int l = 0; l < 8; ++l) {
+          float lane = xv[l] * q[l];
+          for (int part = 1; part < 4; ++part) lane = std::fmaf(xv[8 * part + l], q[8 * part + l], lane);
+          acc[r][l] = std::fmaf(lane, sub.d, acc[r][l]);
+        }
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[(r0 + r) * xblocks + g], macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) y[r * ldy] = lane_tree(acc[r]) + macc[r];
+}
+
+// One weight row (its blocks at `w`) against `rows` rows of int8 x starting at row r0: y[i * ldy].
+template <int64_t QT>
+void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0, int rows, float* y,
+                   int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  float acc[kTileRows][8] = {}, macc[kTileRows] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < subs; ++s) {
+      SubBlock sub;
+      decode<QT>(w + b * block_bytes, s, &sub);
+      const int64_t g = b * subs + s;
+      for (int r = 0; r < rows; ++r) {
+        const int8_t* xv = xq.q.data() + (r0 + r) * k + g * kSub;
+        const float scale = sub.d * xq.dx[(r0 + r) * xblocks + g];
+        for (int l = 0; l < 8; ++l) {
+          int32_t isum = 0;
+          for (int pair = 0; pair < 2; ++pair) {
+            const int e = 4 * l + 2 * pair;
+            isum += (sub.q[e] * xv[e] + sub.q[e + 1] * xv[e + 1]) * sub.scale16[e / 16];
+          }
+          acc[r][l] = std::fmaf(static_cast<float>(isum), scale, acc[r][l]);
+        }
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xq.sx[(r0 + r) * xblocks + g], macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) y[r * ldy] = lane_tree(acc[r]) + macc[r];
+}
+
+#if defined(RILL_QUANT_AVX2)
+// 16 bytes of nibbles -> 32 bytes: the low nibbles (inputs 0..15), then the high ones (16..31).
+inline __m256i nibbles_16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0xf);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+// Byte i = 0xff where bit i of `bits` is set, else 0.
+inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  // Every bit set but bit i % 8 of byte i: the byte is all ones exactly when that bit was set.
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                           _mm256_set1_epi64x(-1));
+}
+
+// Sub-block s of the block at `b` as 32 bytes (signed types: int8; else unsigned 0..31), d and m, and the
+// multipliers of the int16 pair sums (Q6_K's scale of each half; else ones).
+template <int64_t QT>
+inline __m256i decode_avx2(const uint8_t* b, int s, float* d, float* m, __m256i* mul) {
+  const __m256i low4 = _mm256_set1_epi8(0xf);
+  if constexpr (QT == kQ6_K) {
+    const int half = s / 4, t = s % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (t % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
+    *d = half_to_float(b + 208);
+    *mul = _mm256_set_m128i(_mm_set1_epi16(scales[2 * t + 1]), _mm_set1_epi16(scales[2 * t]));
+    const __m256i lowbits = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+    const __m256i highbits =
+        _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));  // 2 bits, in bits 0..1
+    return _mm256_sub_epi8(_mm256_or_si256(lowbits, _mm256_slli_epi16(highbits, 4)), _mm256_set1_epi8(32));
+  } else {
+    *mul = _mm256_set1_epi16(1);
+    if constexpr (QT == kQ8_0) {
+      *d = half_to_float(b);
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+      *d = half_to_float(b);
+      *m = QT == kQ4_0 ? -8.0f * *d : half_to_float(b + 2);
+      return nibbles_16(b + (QT == kQ4_0 ? 2 : 4));
+    } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
+      const int head = QT == kQ5_0 ? 2 : 4;
+      uint32_t qh;
+      std::memcpy(&qh, b + head, sizeof qh);
+      *d = half_to_float(b);
+      *m = QT == kQ5_0 ? -16.0f * *d : half_to_float(b + 2);
+      const __m256i high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
+      return _mm256_or_si256(nibbles_16(b + head + 4), high);
+    } else {  // Q4_K, Q5_K
+      int scale, min;
+      scale_min_k4(s, b + 4, &scale, &min);
+      *d = half_to_float(b) * static_cast<float>(scale);
+      *m = -(half_to_float(b + 2) * static_cast<float>(min));
+      const __m256i qs =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (QT == kQ4_K ? 16 : 48) + 32 * (s / 2)));
+      __m256i v = _mm256_and_si256(s % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
+      if constexpr (QT == kQ5_K) {
+        const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << s));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+      }
+      return v;
+    }
+  }
+}
+
+inline float lane_tree_avx2(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l_i + l_{i+4}
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                                  // a_i + a_{i+2}
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));                              // b_0 + b_1
+}
+
+template <int64_t QT, int R>
+void tile_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0, float* y, int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  const int8_t* xrows = xq.q.data() + r0 * k;
+  const float* dx = xq.dx.data() + r0 * xblocks;
+  const float* sx = xq.sx.data() + r0 * xblocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * block_bytes;
+    for (int s = 0; s < subs; ++s) {
+      float d, m = 0.0f;
+      __m256i mul;
+      const __m256i q = decode_avx2<QT>(block, s, &d, &m, &mul);
+      const int64_t g = b * subs + s;
+      // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves its
+      // sign onto x.
+      const __m256i magnitude = kSigned<QT> ? _mm256_sign_epi8(q, q) : q;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrows + r * k + g * kSub));
+        if constexpr (kSigned<QT>) xv = _mm256_sign_epi8(xv, q);
+        const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), mul);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx[r * xblocks + g]), acc[r]);
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(m, sx[r * xblocks + g], macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = lane_tree_avx2(acc[r]) + macc[r];
+}
+
+template <int64_t QT, int R>
+void tile_float_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, float* y, int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  const float* xrows = xr.x + r0 * k;
+  const float* sx = xr.sx.data() + r0 * xblocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * block_bytes;
+    for (int s = 0; s < subs; ++s) {
+      float d, m = 0.0f;
+      __m256i mul;
+      const __m256i q = decode_avx2<QT>(block, s, &d, &m, &mul);
+      const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
+      const auto widen = [](__m128i v) { return kSigned<QT> ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v); };
+      __m256 w0 = _mm256_cvtepi32_ps(widen(low)), w1 = _mm256_cvtepi32_ps(widen(_mm_srli_si128(low, 8)));
+      __m256 w2 = _mm256_cvtepi32_ps(widen(high)), w3 = _mm256_cvtepi32_ps(widen(_mm_srli_si128(high, 8)));
+      if constexpr (QT == kQ6_K) {  // the integer scale of each half, exact in float
+        const __m256 first = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 0))));
+        const __m256 second = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 8))));
+        w0 = _mm256_mul_ps(w0, first);
+        w1 = _mm256_mul_ps(w1, first);
+        w2 = _mm256_mul_ps(w2, second);
+        w3 = _mm256_mul_ps(w3, second);
+      }
+      const int64_t g = b * subs + s;
+      const __m256 scale = _mm256_set1_ps(d);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xv = xrows + r * k + g * kSub;
+        __m256 lane = _mm256_mul_ps(_mm256_loadu_ps(xv), w0);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 8), w1, lane);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 16), w2, lane);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 24), w3, lane);
+        acc[r] = _mm256_fmadd_ps(lane, scale, acc[r]);
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(m, sx[r * xblocks + g], macc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = lane_tree_avx2(acc[r]) + macc[r];
+}
+
+template <int64_t QT, int R>
+void tile_rows_avx2(int rows, bool int8, const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0,
+                    float* y, int64_t ldy) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows_avx2<QT, R - 1>(rows, int8, w, k, xq, r0, y, ldy);
+  }
+  if (int8) {
+    tile_avx2<QT, R>(w, k, xq, r0, y, ldy);
+  } else {
+    tile_float_avx2<QT, R>(w, k, xq, r0, y, ldy);
+  }
+}
+#endif
+
+// Rows [r_begin, r_end) of x against weight rows [w_begin, w_end) of one part, written to y's columns from
+// `column`.
+template <int64_t QT>
+void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& xq, int64_t r_begin, int64_t r_end,
+               int64_t w_begin, int64_t w_end, float* y, int64_t ldy, int64_t column, bool portable) {
+  const int64_t row_bytes = k / kBlockElems<QT> * quant_block_bytes(QT);
+  for (int64_t j = w_begin; j < w_end; ++j) {
+    const uint8_t* w = part + j * row_bytes;
+    for (int64_t r = r_begin; r < r_end; r += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r));
+      float* out = y + r * ldy + column + j;
+#if defined(RILL_QUANT_AVX2)
+      if (!portable) {
+        tile_rows_avx2<QT, kTileRows>(rows, int8, w, k, xq, r, out, ldy);
+        continue;
+      }
+#endif
+      if (int8) {
+        tile_portable<QT>(w, k, xq, r, rows, out, ldy);
+      } else {
+        tile_float_portable<QT>(w, k, xq, r, rows, out, ldy);
+      }
+    }
+  }
+}
+
+template <typename F>
+void dispatch_qtype(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ8_0: return f(std::integral_constant<int64_t, kQ8_0>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    default: return;  // the binding accepts only the types above
+  }
+}
+
+}  // namespace
+
+bool has_avx2_quant() {
+#if defined(RILL_QUANT_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m, int64_t k, int64_t n,
+                      int num_threads, bool portable) {
+  QuantHeader header;
+  std::memcpy(&header, packed, sizeof header);
+  const bool int8 = header.int8_activations != 0;
+  QuantizedRows xq;
+  prepare_rows(x, m, k, int8, &xq, num_threads);
+  // Tasks: (a block of x rows) x (a chunk of weight rows of one part), in part order.
+  struct Task {
+    int64_t part, w_begin, w_end, r_begin, r_end, column;
+  };
+  std::vector<Task> tasks;
+  const int64_t num_row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t row_block = (m + num_row_blocks - 1) / num_row_blocks;  // blocks of equal size
+  for (int64_t r = 0; r < m; r += row_block) {
+    int64_t column = 0;
+    for (int64_t p = 0; p < header.num_parts; ++p) {
+      const int64_t rows = header.parts[p].rows;
+      for (int64_t j = 0; j < rows; j += kWeightChunk) {
+        tasks.push_back({p, j, std::min(rows, j + kWeightChunk), r, std::min(m, r + row_block), column});
+      }
+      column += rows;
+    }
+  }
+  const auto num_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min<int>(num_threads, num_tasks)))
+  for (int64_t t = 0; t < num_tasks; ++t) {
+    const Task& task = tasks[t];
+    const QuantPart& part = header.parts[task.part];
+    dispatch_qtype(part.qtype, [&](auto qt) {
+      part_rows<decltype(qt)::value>(packed + part.offset, k, int8, xq, task.r_begin, task.r_end, task.w_begin,
+                                     task.w_end, y, n, task.column, portable);
+    });
+  }
+}
+
+void dequantize_rows(const uint8_t* packed, const int64_t* rows, int64_t num_rows, int64_t k, float* out,
+                     int num_threads) {
+  QuantHeader header;
+  std::memcpy(&header, packed, sizeof header);
+  at::parallel_for(0, num_rows, num_threads > 1 && num_rows * k >= (1 << 16) ? 16 : num_rows + 1,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i) {
+                       int64_t row = rows[i], p = 0;
+                       while (row >= header.parts[p].rows) row -= header.parts[p++].rows;
+                       const QuantPart& part = header.parts[p];
+                       dispatch_qtype(part.qtype, [&](auto qt) {
+                         constexpr int64_t QT = decltype(qt)::value;
+                         const int64_t blocks = k / kBlockElems<QT>, bytes = quant_block_bytes(QT);
+                         const uint8_t* w = packed + part.offset + row * blocks * bytes;
+                         for (int64_t b = 0; b < blocks; ++b) {
+                           dequantize_block<QT>(w + b * bytes, out + i * k + b * kBlockElems<QT>);
+                         }
+                       });
+                     }
+                   });
+}
+
+}  // namespace rill_cpu

@@ -1,0 +1,168 @@
+"""GGUF files served as they are (rill.convert's `quantized` folder: config, tokenizer and a link to the
+file), against the same file expanded to float32 (today's conversion) as the oracle.
+
+- On the torch references a quantized layer de-quantizes its weight: the model is bitwise the expanded one.
+- On the CPU kernels with float32 activations it is the expanded model up to float32 summation order; with
+  int8 activations, close to it; either way a sequence's logits do not depend on its batch.
+- The default model (SmolLM2-135M, Q4_1 with a Q8_0 embedding): teacher-forced argmax agreement with the
+  expanded float32 model on real text, and the weights' memory is the file's.
+- `--quantize q8_0 | q4_0` on a float checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rill import convert
+from rill.convert import ensure_default_model, ensure_gguf_model, find_gguf
+from rill.shard.config import ShardConfig
+from rill.shard.runner import ModelRunner
+from rill.shard.weights import GGUF_FILE
+
+from .conftest import chunk, logits_of, make_runner, save_tiny_model
+from .test_gguf import write_tiny_llama_gguf
+from .test_models import PROMPT, all_position_logits
+
+requires_package = pytest.mark.skipif(
+    convert.importlib.util.find_spec(convert.GGUF_PACKAGE) is None,
+    reason=f"needs `{convert.INSTALL_COMMAND}`",
+)
+# Every type the kernels take that gguf-py (or test_gguf's Q5_K encoder) can write.
+TINY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q5_K")
+
+
+def quantized_names(model: torch.nn.Module) -> set[str]:
+    """The modules that multiply (or look up) a quantized matrix."""
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, m in model.named_modules()
+        if getattr(m, "packed", None) is not None and m.packed.tensor.dtype == torch.uint8
+    }
+
+
+def runner(path: Path, activations: str = "float32", backend: str = "auto") -> ModelRunner:
+    config = ShardConfig(
+        model_path=path,
+        socket_path=path / "unused.sock",
+        block_size=4,
+        attention_backend=backend,
+        quantized_activations=activations,
+    )
+    model_runner = ModelRunner(config)
+    model_runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=1024)
+    return model_runner
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny untied Llama as a GGUF file of every type: its quantized folder and its expanded one."""
+    if convert.importlib.util.find_spec(convert.GGUF_PACKAGE) is None:
+        pytest.skip(f"needs `{convert.INSTALL_COMMAND}` (its tokenizer)")
+    tmp = tmp_path_factory.mktemp("tiny")
+    hf_dir = save_tiny_model(tmp / "hf", vocab_size=49152, hidden_size=256, intermediate_size=512)
+    write_tiny_llama_gguf(hf_dir, find_gguf(), tmp / "tiny.gguf", quant_cycle=TINY_TYPES)
+    native = ensure_gguf_model(tmp / "tiny.gguf", cache_dir=tmp / "cache", quantized=True)
+    expanded = ensure_gguf_model(tmp / "tiny.gguf", cache_dir=tmp / "cache")
+    return native, expanded
+
+
+def test_the_quantized_folder_links_the_file_and_writes_no_weights(tiny: tuple[Path, Path]) -> None:
+    native, expanded = tiny
+    assert native != expanded and native.name.endswith("-gguf")
+    assert (native / GGUF_FILE).is_symlink() and not (native / "model.safetensors").exists()
+    assert (native / "config.json").read_text() == (expanded / "config.json").read_text()
+
+
+def test_references_are_bitwise_the_expanded_model(tiny: tuple[Path, Path]) -> None:
+    native, expanded = tiny
+    got = all_position_logits(runner(native, backend="torch"), PROMPT)
+    assert torch.equal(got, all_position_logits(runner(expanded, backend="torch"), PROMPT))
+
+
+@pytest.mark.parametrize(("activations", "tolerance"), [("float32", 1e-5), ("int8", 0.05)])
+def test_kernels_match_the_expanded_model(
+    tiny: tuple[Path, Path], activations: str, tolerance: float
+) -> None:
+    native, expanded = tiny
+    quantized = runner(native, activations)
+    assert quantized_names(quantized.model) == {
+        "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head"
+    }  # fmt: skip
+    expected = all_position_logits(runner(expanded), PROMPT)
+    got = all_position_logits(quantized, PROMPT)
+    # Relative to the logits' norm (measured: float32 activations ~1e-7, int8 ~0.02 on this random model).
+    assert ((got - expected).norm() / expected.norm()).item() < tolerance
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_a_sequence_does_not_depend_on_its_batch(tiny: tuple[Path, Path], activations: str) -> None:
+    quantized = runner(tiny[0], activations)
+    alone = [logits_of(quantized, chunk(1, PROMPT[:n], 0, first_block=1))[0] for n in (5, 13)]
+    batched = logits_of(
+        quantized,
+        chunk(2, PROMPT[:5], 0, first_block=10),
+        chunk(3, PROMPT[3:11], 0, first_block=20),
+        chunk(4, PROMPT[:13], 0, first_block=30),
+    )
+    assert torch.equal(batched[0], alone[0]) and torch.equal(batched[2], alone[1])
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_quantize_at_load(tmp_path: Path, qtype: str) -> None:
+    """The kernels on the quantized matrices compute what the references compute on their de-quantized
+    weights (a random tiny model amplifies the quantization itself too much to compare with its float one;
+    the kernel tests bound the rounding of `quantize`)."""
+    path = save_tiny_model(tmp_path, vocab_size=512, hidden_size=256, intermediate_size=512)
+
+    def quantized(backend: str) -> ModelRunner:
+        config = ShardConfig(
+            model_path=path,
+            socket_path=path / "u.sock",
+            block_size=4,
+            quantize=qtype,
+            attention_backend=backend,
+        )
+        model_runner = ModelRunner(config)
+        model_runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=1024)
+        return model_runner
+
+    kernels = quantized("auto")
+    projections = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert quantized_names(kernels.model) == projections | {"embed_tokens", "lm_head"}
+    expected = all_position_logits(quantized("torch"), PROMPT)
+    got = all_position_logits(kernels, PROMPT)
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+    assert not torch.equal(got, all_position_logits(make_runner(path), PROMPT))
+
+
+@requires_package
+def test_default_model_agrees_with_its_expanded_float32_model() -> None:
+    """Teacher-forced: the argmax after each prefix of a real text, quantized vs expanded float32. Measured
+    on these 300 tokens of docs/architecture.md: float32 activations 300/300, int8 activations 96%."""
+    native, expanded = ensure_default_model(quantized=True), ensure_default_model()
+    from tokenizers import Tokenizer
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    ids = Tokenizer.from_file(str(expanded / "tokenizer.json")).encode(text).ids[:301]
+
+    def argmaxes(model_runner: ModelRunner) -> torch.Tensor:
+        return all_position_logits(model_runner, ids).argmax(-1)[:-1]
+
+    float32 = argmaxes(runner(expanded))
+    agreement = {
+        a: (argmaxes(runner(native, a)) == float32).float().mean().item() for a in ("float32", "int8")
+    }
+    assert agreement["float32"] >= 0.99 and agreement["int8"] >= 0.93, agreement
+
+
+@requires_package
+def test_default_model_weights_take_the_file_bytes() -> None:
+    native = ensure_default_model(quantized=True)
+    model = runner(native).model
+    packed = {
+        id(m.packed.tensor): m.packed.tensor.numel() for m in model.modules() if getattr(m, "packed", None)
+    }
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(packed.values()) + floats <= (native / GGUF_FILE).stat().st_size * 1.01
