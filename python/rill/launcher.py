@@ -160,7 +160,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         None,
         "the draft model of the router's --speculative draft (a smaller model with the same tokenizer; a "
         "folder or a .gguf file), served by one more shard process (world size 1) with the same --device, "
-        "--dtype, --kv-block-size and --num-threads",
+        "--dtype, --kv-block-size, --kv-cache-dtype and --num-threads",
         "off",
     )
     flag("num-shard", int, "1", "tensor-parallel shard processes, one per GPU (rank r on cuda:r)")
@@ -418,8 +418,8 @@ def draft_socket_path(config: LaunchConfig, socket_dir: Path) -> Path | None:
 
 
 def draft_shard_command(config: LaunchConfig, socket_path: Path) -> list[str]:
-    """The draft model's shard: one rank of its own, with the target's device, dtype, block size and threads
-    (no LoRA slots: adapters belong to the target)."""
+    """The draft model's shard: one rank of its own, with the target's device, dtype, block size, KV cache
+    dtype and threads (no LoRA slots: adapters belong to the target)."""
     assert config.draft_model_id is not None
     draft = dataclasses.replace(config, model_id=config.draft_model_id, num_shard=1, max_loras=0)
     return shard_command(draft, socket_path, 0)
