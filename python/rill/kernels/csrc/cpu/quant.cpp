@@ -20,7 +20,8 @@
 //
 // Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
 // times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A tile
-// is one weight row against up to kTileRows rows of x: the weight sub-block is decoded once per tile.
+// is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile), or, for a
+// batch of one or two rows, kWeightRows weight rows at once (independent chains, x loaded once).
 
 #include <ATen/Parallel.h>
 
@@ -41,6 +42,7 @@ namespace rill_cpu {
 namespace {
 
 constexpr int kTileRows = 8;          // rows of x a tile carries: 8 accumulators of the 16 AVX2 registers
+constexpr int kWeightRows = 4;        // weight rows a tile carries for a batch of at most 2 rows
 constexpr int64_t kRowBlock = 64;     // rows of x a prefill task keeps in cache
 constexpr int64_t kWeightChunk = 16;  // weight rows per task
 constexpr int64_t kSub = 32;          // inputs per activation block and per weight sub-block
@@ -359,99 +361,138 @@ inline float lane_tree_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));                              // b_0 + b_1
 }
 
-template <int64_t QT, int R>
-void tile_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0, float* y, int64_t ldy) {
+// C weight rows (`row_bytes` apart) against R rows of int8 x: y[r * ldy + c]. Each (r, c) has its own chains;
+// C > 1 serves small batches, whose single chain per output would otherwise wait on its own latency.
+template <int64_t QT, int R, int C>
+void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xq, int64_t r0, float* y,
+               int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
-  __m256 acc[R];
-  float macc[R];
+  __m256 acc[R][C];
+  float macc[R][C];
   for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+      macc[r][c] = 0.0f;
+    }
   }
   const int8_t* xrows = xq.q.data() + r0 * k;
   const float* dx = xq.dx.data() + r0 * xblocks;
   const float* sx = xq.sx.data() + r0 * xblocks;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = w + b * block_bytes;
     for (int s = 0; s < subs; ++s) {
-      float d, m = 0.0f;
-      __m256i mul;
-      const __m256i q = decode_avx2<QT>(block, s, &d, &m, &mul);
       const int64_t g = b * subs + s;
-      // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves its
-      // sign onto x.
-      const __m256i magnitude = kSigned<QT> ? _mm256_sign_epi8(q, q) : q;
+      __m256i magnitude[C], sign[C], mul[C];
+      float d[C], m[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        m[c] = 0.0f;
+        sign[c] = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d[c], &m[c], &mul[c]);
+        // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves its
+        // sign onto x.
+        magnitude[c] = kSigned<QT> ? _mm256_sign_epi8(sign[c], sign[c]) : sign[c];
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrows + r * k + g * kSub));
-        if constexpr (kSigned<QT>) xv = _mm256_sign_epi8(xv, q);
-        const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), mul);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx[r * xblocks + g]), acc[r]);
-        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(m, sx[r * xblocks + g], macc[r]);
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrows + r * k + g * kSub));
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, sign[c]) : xv;
+          const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[c], xs), mul[c]);
+          acc[r][c] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[c] * dx[r * xblocks + g]), acc[r][c]);
+          if constexpr (kHasMin<QT>) macc[r][c] = std::fmaf(m[c], sx[r * xblocks + g], macc[r][c]);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = lane_tree_avx2(acc[r]) + macc[r];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = lane_tree_avx2(acc[r][c]) + macc[r][c];
+  }
 }
 
-template <int64_t QT, int R>
-void tile_float_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, float* y, int64_t ldy) {
+// 32 small integers as four vectors of 8 floats (Q6_K: times the integer scale of each half, exact in float).
+template <int64_t QT>
+inline void widen_avx2(__m256i q, __m256i mul, __m256* out) {
+  const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
+  const auto widen = [](__m128i v) { return kSigned<QT> ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v); };
+  out[0] = _mm256_cvtepi32_ps(widen(low));
+  out[1] = _mm256_cvtepi32_ps(widen(_mm_srli_si128(low, 8)));
+  out[2] = _mm256_cvtepi32_ps(widen(high));
+  out[3] = _mm256_cvtepi32_ps(widen(_mm_srli_si128(high, 8)));
+  if constexpr (QT == kQ6_K) {
+    const __m256 first = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 0))));
+    const __m256 second = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 8))));
+    out[0] = _mm256_mul_ps(out[0], first);
+    out[1] = _mm256_mul_ps(out[1], first);
+    out[2] = _mm256_mul_ps(out[2], second);
+    out[3] = _mm256_mul_ps(out[3], second);
+  } else {
+    (void)mul;
+  }
+}
+
+// As tile_avx2, for float32 x.
+template <int64_t QT, int R, int C>
+void tile_float_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xr, int64_t r0,
+                     float* y, int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
-  __m256 acc[R];
-  float macc[R];
+  __m256 acc[R][C];
+  float macc[R][C];
   for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.0f;
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = _mm256_setzero_ps();
+      macc[r][c] = 0.0f;
+    }
   }
   const float* xrows = xr.x + r0 * k;
   const float* sx = xr.sx.data() + r0 * xblocks;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = w + b * block_bytes;
     for (int s = 0; s < subs; ++s) {
-      float d, m = 0.0f;
-      __m256i mul;
-      const __m256i q = decode_avx2<QT>(block, s, &d, &m, &mul);
-      const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
-      const auto widen = [](__m128i v) { return kSigned<QT> ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v); };
-      __m256 w0 = _mm256_cvtepi32_ps(widen(low)), w1 = _mm256_cvtepi32_ps(widen(_mm_srli_si128(low, 8)));
-      __m256 w2 = _mm256_cvtepi32_ps(widen(high)), w3 = _mm256_cvtepi32_ps(widen(_mm_srli_si128(high, 8)));
-      if constexpr (QT == kQ6_K) {  // the integer scale of each half, exact in float
-        const __m256 first = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 0))));
-        const __m256 second = _mm256_set1_ps(static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(mul, 8))));
-        w0 = _mm256_mul_ps(w0, first);
-        w1 = _mm256_mul_ps(w1, first);
-        w2 = _mm256_mul_ps(w2, second);
-        w3 = _mm256_mul_ps(w3, second);
-      }
       const int64_t g = b * subs + s;
-      const __m256 scale = _mm256_set1_ps(d);
+      __m256 wf[C][4], scale[C];
+      float m[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        float d;
+        __m256i mul;
+        m[c] = 0.0f;
+        widen_avx2<QT>(decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d, &m[c], &mul), mul, wf[c]);
+        scale[c] = _mm256_set1_ps(d);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float* xv = xrows + r * k + g * kSub;
-        __m256 lane = _mm256_mul_ps(_mm256_loadu_ps(xv), w0);
-        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 8), w1, lane);
-        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 16), w2, lane);
-        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 24), w3, lane);
-        acc[r] = _mm256_fmadd_ps(lane, scale, acc[r]);
-        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(m, sx[r * xblocks + g], macc[r]);
+        const __m256 x0 = _mm256_loadu_ps(xv), x1 = _mm256_loadu_ps(xv + 8);
+        const __m256 x2 = _mm256_loadu_ps(xv + 16), x3 = _mm256_loadu_ps(xv + 24);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          __m256 lane = _mm256_mul_ps(x0, wf[c][0]);
+          lane = _mm256_fmadd_ps(x1, wf[c][1], lane);
+          lane = _mm256_fmadd_ps(x2, wf[c][2], lane);
+          lane = _mm256_fmadd_ps(x3, wf[c][3], lane);
+          acc[r][c] = _mm256_fmadd_ps(lane, scale[c], acc[r][c]);
+          if constexpr (kHasMin<QT>) macc[r][c] = std::fmaf(m[c], sx[r * xblocks + g], macc[r][c]);
+        }
       }
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = lane_tree_avx2(acc[r]) + macc[r];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = lane_tree_avx2(acc[r][c]) + macc[r][c];
+  }
 }
 
-template <int64_t QT, int R>
-void tile_rows_avx2(int rows, bool int8, const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0,
-                    float* y, int64_t ldy) {
+template <int64_t QT, int R, int C>
+void tile_rows_avx2(int rows, bool int8, const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xq,
+                    int64_t r0, float* y, int64_t ldy) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows_avx2<QT, R - 1>(rows, int8, w, k, xq, r0, y, ldy);
+    if (rows < R) return tile_rows_avx2<QT, R - 1, C>(rows, int8, w, row_bytes, k, xq, r0, y, ldy);
   }
   if (int8) {
-    tile_avx2<QT, R>(w, k, xq, r0, y, ldy);
+    tile_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
   } else {
-    tile_float_avx2<QT, R>(w, k, xq, r0, y, ldy);
+    tile_float_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
   }
 }
 #endif
@@ -462,6 +503,22 @@ template <int64_t QT>
 void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& xq, int64_t r_begin, int64_t r_end,
                int64_t w_begin, int64_t w_end, float* y, int64_t ldy, int64_t column, bool portable) {
   const int64_t row_bytes = k / kBlockElems<QT> * quant_block_bytes(QT);
+#if defined(RILL_QUANT_AVX2)
+  // Small batches: kWeightRows weight rows per tile (their own chains), at most kTileRows / kWeightRows rows of x.
+  if (!portable && r_end - r_begin <= kTileRows / kWeightRows) {
+    const int rows = static_cast<int>(r_end - r_begin);
+    int64_t j = w_begin;
+    for (; j + kWeightRows <= w_end; j += kWeightRows) {
+      tile_rows_avx2<QT, kTileRows / kWeightRows, kWeightRows>(rows, int8, part + j * row_bytes, row_bytes, k, xq,
+                                                               r_begin, y + r_begin * ldy + column + j, ldy);
+    }
+    for (; j < w_end; ++j) {
+      tile_rows_avx2<QT, kTileRows / kWeightRows, 1>(rows, int8, part + j * row_bytes, row_bytes, k, xq, r_begin,
+                                                     y + r_begin * ldy + column + j, ldy);
+    }
+    return;
+  }
+#endif
   for (int64_t j = w_begin; j < w_end; ++j) {
     const uint8_t* w = part + j * row_bytes;
     for (int64_t r = r_begin; r < r_end; r += kTileRows) {
@@ -469,7 +526,7 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
       float* out = y + r * ldy + column + j;
 #if defined(RILL_QUANT_AVX2)
       if (!portable) {
-        tile_rows_avx2<QT, kTileRows>(rows, int8, w, k, xq, r, out, ldy);
+        tile_rows_avx2<QT, kTileRows, 1>(rows, int8, w, row_bytes, k, xq, r, out, ldy);
         continue;
       }
 #endif
