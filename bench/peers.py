@@ -241,19 +241,19 @@ def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
 
 
 def rill_memory(launcher_pid: int, proc: Path = Path("/proc")) -> dict[str, dict[str, int]]:
-    """Resident memory of a Rill server started by `python -m rill`: its shard processes summed (`shards`,
-    with `count`), the router, and the launcher, each as `process_status`."""
+    """Resident memory of a Rill server started by `python -m rill`: its shard processes (`python -m
+    rill.shard.server`) summed as `shards`, with their `count`; its other child, the router, as `router`; and
+    the launcher; each as `process_status`."""
     shards: dict[str, int] = dict.fromkeys(STATUS_FIELDS, 0)
     shards["count"] = 0
     memory: dict[str, dict[str, int]] = {"shards": shards, "launcher": process_status(launcher_pid, proc)}
     for pid in children(launcher_pid, proc):
-        command = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
-        if any(part.endswith(b"rill-router") for part in command[:1]):
-            memory["router"] = process_status(pid, proc)
-        elif b"rill.shard.server" in command:
+        if b"rill.shard.server" in (proc / str(pid) / "cmdline").read_bytes().split(b"\0"):
             for name, value in process_status(pid, proc).items():
                 shards[name] += value
             shards["count"] += 1
+        else:
+            memory["router"] = process_status(pid, proc)
     return memory
 
 
@@ -280,8 +280,8 @@ def compare_on_file(args: argparse.Namespace, binary: Path, gguf: Path, clients:
     context = clients * CONTEXT_PER_SLOT
     rill_args = argparse.Namespace(**{**vars(args), "model_id": gguf})
     rill_flags = ["--max-batch-size", str(clients), "--max-batch-total-tokens", str(context),
-                  "--max-total-tokens", str(CONTEXT_PER_SLOT), "--max-input-tokens", str(CONTEXT_PER_SLOT - 1),
-                  "--swap-space", "0"]  # fmt: skip
+                  "--max-total-tokens", str(CONTEXT_PER_SLOT),
+                  "--max-input-tokens", str(CONTEXT_PER_SLOT - 1), "--swap-space", "0"]  # fmt: skip
     # Rill first: llama.cpp's KV cache takes the dtype Rill's shard chose for this file.
     with rill(rill_args, f"peers-gguf-{clients}", *rill_flags) as rill_server:
         info = server_info(rill_server)
@@ -323,9 +323,11 @@ def format_gguf_run(name: str, report: dict[str, Any]) -> str:
         f"{name}:\n"
         f"  output tokens/s {a['output_tokens_per_s']:.1f}, {b['output_tokens_per_s']:.1f} "
         f"({ratio(r['output_tokens_per_s'])}); TTFT p50 {ms(a, 'ttft_ms')}, {ms(b, 'ttft_ms')} "
-        f"({ratio(r['ttft_ms.p50'])}); ITL p50 {ms(a, 'itl_ms')}, {ms(b, 'itl_ms')} ({ratio(r['itl_ms.p50'])})\n"
-        f"  VmRSS: llama-server {mib(memory['llama.cpp']['VmRSS'])}, Rill's {memory['rill']['shards']['count']} "
-        f"shard(s) {mib(memory['rill']['shards']['VmRSS'])} ({ratio(memory_ratio(report))}); Rill's router "
+        f"({ratio(r['ttft_ms.p50'])}); ITL p50 {ms(a, 'itl_ms')}, {ms(b, 'itl_ms')} "
+        f"({ratio(r['itl_ms.p50'])})\n"
+        f"  VmRSS: llama-server {mib(memory['llama.cpp']['VmRSS'])}, Rill's "
+        f"{memory['rill']['shards']['count']} shard(s) {mib(memory['rill']['shards']['VmRSS'])} "
+        f"({ratio(memory_ratio(report))}); Rill's router "
         f"{mib(router)}, launcher {mib(memory['rill']['launcher']['VmRSS'])}\n"
         f"  KV: Rill {kv['rill_kv_tokens']} tokens in {kv['rill_dtype']} ({mib(kv['rill_kv_pool_bytes'])}); "
         f"llama.cpp -c {kv['context_tokens']}, {kv['llama_cpp_kv_type']}: {kv['llama_cpp_log']}"
@@ -340,8 +342,9 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
         for clients in args.clients:
             print(f"\n[peers] {label} ({gguf}), {clients} clients", flush=True)
             results[f"{label}, {clients} clients"] = compare_on_file(args, binary, gguf, clients)
-    print(f"\nRill / llama.cpp on the same GGUF file ({args.num_threads} threads, {args.num_requests} requests "
-          f"a side, KV for clients x {CONTEXT_PER_SLOT} tokens in both); llama.cpp, Rill (Rill / llama.cpp):")  # fmt: skip
+    print(f"\nRill / llama.cpp on the same GGUF file ({args.num_threads} threads, {args.num_requests} "
+          f"requests a side, KV for clients x {CONTEXT_PER_SLOT} tokens in both); llama.cpp, Rill "
+          "(Rill / llama.cpp):")  # fmt: skip
     for name, report in results.items():
         print(format_gguf_run(name, report))
     return results

@@ -296,8 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="peers-gguf: concurrent clients, comma-separated (default: 1,16)")  # fmt: skip
     parser.add_argument("--gguf-types", type=lambda text: text.split(","), default=["Q4_1", "Q8_0"],
                         help="peers-gguf: GGUF types of the default model, comma-separated: Q4_1 (its own "
-                        "file), Q8_0 (llama.cpp's converter), others llama-quantize makes (default: Q4_1,Q8_0); "
-                        "--model-id FILE.gguf serves that file instead")  # fmt: skip
+                        "file), Q8_0 (llama.cpp's converter), others llama-quantize makes (default: "
+                        "Q4_1,Q8_0); --model-id FILE.gguf serves that file instead")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="roofline: timed steps per point")
     parser.add_argument("--quantized-activations", default="none", choices=("none", "float32", "int8"),
                         help="roofline: serve the default model from its GGUF file as it is, its "

@@ -1,11 +1,11 @@
-"""The peers suites' own parts that run without llama.cpp: the resident memory read from /proc (against
-getrusage, and on processes shaped like Rill's shard and router), the workload's clients, the summary lines."""
+"""The peers suites' own parts that run without llama.cpp: the resident memory read from /proc (on a process
+that wrote a known amount, and on processes shaped like Rill's shards and router), the workload's clients,
+the summary lines."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,11 +30,11 @@ SLEEPER = "import time; time.sleep(60)"
 @pytest.fixture
 def rill_like() -> Iterator[dict[str, list[subprocess.Popen[bytes]]]]:
     """Children of this process shaped like a Rill launcher's: two `python -m rill.shard.server` and one
-    `rill-router` (argv[0]), all sleeping; killed after the test."""
+    other (the router), all sleeping; killed after the test."""
     shard_command = [sys.executable, "-c", SLEEPER, "-m", "rill.shard.server"]
     processes = {
         "shards": [subprocess.Popen(shard_command) for _ in range(2)],
-        "router": [subprocess.Popen(["/somewhere/rill-router", "-c", SLEEPER], executable=sys.executable)],
+        "router": [subprocess.Popen([sys.executable, "-c", SLEEPER])],
     }
     yield processes
     for process in [*processes["shards"], *processes["router"]]:
@@ -42,12 +42,26 @@ def rill_like() -> Iterator[dict[str, list[subprocess.Popen[bytes]]]]:
         process.wait()
 
 
-def test_peak_resident_memory_is_getrusage_maxrss() -> None:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    status = process_status(os.getpid())
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    assert before <= status["VmHWM"] <= after
-    assert 0 < status["VmRSS"] <= status["VmHWM"]
+def resident_child(megabytes: int) -> subprocess.Popen[str]:
+    """A Python process that has written `megabytes` MiB of its own memory, once it says so."""
+    code = f"import sys, time; block = b'x' * ({megabytes} << 20); print('ready', flush=True); time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    return process
+
+
+def test_resident_memory_counts_the_memory_a_process_wrote() -> None:
+    baseline, writer = resident_child(0), resident_child(64)
+    try:
+        grown = process_status(writer.pid)["VmRSS"] - process_status(baseline.pid)["VmRSS"]
+        status = process_status(writer.pid)
+    finally:
+        for process in (baseline, writer):
+            process.kill()
+            process.wait()
+    assert 64 * 2**20 <= grown <= 72 * 2**20
+    assert status["RssAnon"] >= 64 * 2**20
+    assert status["VmRSS"] <= status["VmHWM"]
     assert status["RssAnon"] + status["RssFile"] <= status["VmRSS"]
 
 
