@@ -298,7 +298,9 @@ def compare_on_file(args: argparse.Namespace, binary: Path, gguf: Path, clients:
                 "rill_kv_pool_bytes": info["memory"]["kv_pool_bytes"],
                 "rill_kv_tokens": info["kv"]["total_blocks"] * info["kv"]["block_size"],
                 "llama_cpp_kv_type": kv_type,
-                "llama_cpp_log": log_line(llama.log_path, "KV buffer size"),
+                # llama-server logs its slots' context at its default verbosity; the KV buffer's bytes only
+                # at trace level (-lv 4), which also logs every step: the tokens are what both are sized by.
+                "llama_cpp_log": log_line(llama.log_path, "n_ctx_slot"),
             }
     return report
 

@@ -121,7 +121,7 @@ def test_summary_lines_give_both_figures_and_rill_over_llama_cpp() -> None:
             "rill_kv_pool_bytes": 24 * 2**20,
             "rill_kv_tokens": CONTEXT_PER_SLOT,
             "llama_cpp_kv_type": "f32",
-            "llama_cpp_log": "llama_kv_cache: CPU KV buffer size = 22.50 MiB",
+            "llama_cpp_log": "load_model: initializing, n_slots = 1, n_ctx_slot = 1024",
         },
     }
     assert memory_ratio(report) == 2.5
@@ -130,4 +130,4 @@ def test_summary_lines_give_both_figures_and_rill_over_llama_cpp() -> None:
     assert "TTFT p50 400.0 ms, n/a (n/a)" in text
     assert "llama-server 200 MiB, Rill's 1 shard(s) 500 MiB (2.50x)" in text
     assert "router 30 MiB, launcher 60 MiB" in text
-    assert "KV buffer size = 22.50 MiB" in text
+    assert "n_slots = 1, n_ctx_slot = 1024" in text
