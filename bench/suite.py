@@ -7,6 +7,7 @@ against each (back to back, in one run), and prints the ratios that docs/benchma
     python -m bench.suite prefix-cache # shared prefix, 4-turn chat and random prompts, cache on vs off
     python -m bench.suite roofline     # memory bandwidth, GEMM rate, decode steps and prefill vs their floor
     python -m bench.suite peers        # Rill vs llama.cpp's server, same model, workload and machine
+    python -m bench.suite peers-gguf   # the same with both loading one GGUF file (Q4_1, Q8_0); memory too
     python -m bench.suite dtypes       # Rill in bfloat16 vs float32 on the peers workload, alternating rounds
     python -m bench.suite constrained  # step time with 0, 8, 32 grammar-constrained sequences of 32; compile
     python -m bench.suite agents       # multi-turn agents under cache churn: chat vs pins vs Responses
@@ -256,12 +257,21 @@ SUITES = {
     "prefix-cache": suite_prefix_cache,
     "roofline": roofline.run,
     "peers": peers.run,
+    "peers-gguf": peers.run_gguf,
     "dtypes": suite_dtypes,
     "constrained": suite_constrained,
     "agents": agents.run,
     "lora": lora.run,
     "speculative": speculative.run,
 }
+
+
+def int_list(text: str) -> list[int]:
+    """`1,16` -> [1, 16]: positive integers, comma-separated."""
+    values = [int(part) for part in text.split(",")]
+    if any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -282,11 +292,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="roofline, peers: the model's dtype (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--clients", type=int_list, default=[1, peers.CLIENTS],
+                        help="peers-gguf: concurrent clients, comma-separated (default: 1,16)")  # fmt: skip
+    parser.add_argument("--gguf-types", type=lambda text: text.split(","), default=["Q4_1", "Q8_0"],
+                        help="peers-gguf: GGUF types of the default model, comma-separated: Q4_1 (its own "
+                        "file), Q8_0 (llama.cpp's converter), others llama-quantize makes (default: "
+                        "Q4_1,Q8_0); --model-id FILE.gguf serves that file instead")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="roofline: timed steps per point")
     parser.add_argument("--quantized-activations", default="none", choices=("none", "float32", "int8"),
                         help="roofline: serve the default model from its GGUF file as it is, its "
                         "quantized weights multiplying float32 or int8 activations (none: expanded "
-                        "to --dtype)")  # fmt: skip
+                        "to --dtype); peers-gguf: Rill's --quantized-activations (none: its "
+                        "default)")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="roofline: save the step-time plot here (PNG)")
     parser.add_argument(
         "--num-agents", type=int, default=4, help="agents: concurrent agents (default: %(default)s)"
