@@ -458,7 +458,8 @@ void tile_float_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const Quant
         float d;
         __m256i mul;
         m[c] = 0.0f;
-        widen_avx2<QT>(decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d, &m[c], &mul), mul, wf[c]);
+        const __m256i q = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d, &m[c], &mul);
+        widen_avx2<QT>(q, mul, wf[c]);
         scale[c] = _mm256_set1_ps(d);
       }
 #pragma GCC unroll 8
