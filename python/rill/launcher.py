@@ -180,6 +180,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "q8_0 or q4_0: quantize a float (safetensors) model's weights at load, as llama.cpp "
         "would: the decoder layers' projections to this type, the embedding and LM head to q8_0 "
         "(cpu, one shard)",
+        "off",
     )
     flag(
         "quantized-activations",
