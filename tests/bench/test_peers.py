@@ -73,8 +73,11 @@ def test_rill_memory_sums_the_shards_and_keeps_the_router_apart(
     assert set(shard_pids) | {router.pid} <= set(children(os.getpid()))
     memory = rill_memory(os.getpid())
     assert memory["shards"]["count"] == 2
-    assert memory["shards"]["VmRSS"] == sum(process_status(pid)["VmRSS"] for pid in shard_pids)
-    assert memory["router"]["VmRSS"] == process_status(router.pid)["VmRSS"] > 0
+    # Read again a moment later: a process may still touch a few pages in between (seen: 32 KiB).
+    shards_again = sum(process_status(pid)["VmRSS"] for pid in shard_pids)
+    assert abs(memory["shards"]["VmRSS"] - shards_again) <= 2**20
+    assert abs(memory["router"]["VmRSS"] - process_status(router.pid)["VmRSS"]) <= 2**20
+    assert memory["router"]["VmRSS"] > 0
     assert memory["launcher"]["VmRSS"] > 0
 
 

@@ -77,21 +77,11 @@ def hf_model(path: Path) -> torch.nn.Module:
 
 
 def make_runner(
-    path: Path,
-    block_size: int = 4,
-    max_total_kv_tokens: int = 1024,
-    attention_backend: str = "auto",
-    dtype: str = "float32",
-    kv_cache_dtype: str = "auto",
+    path: Path, block_size: int = 4, max_total_kv_tokens: int = 1024, **config: Any
 ) -> ModelRunner:
-    config = ShardConfig(
-        model_path=path,
-        socket_path=path / "unused.sock",
-        block_size=block_size,
-        attention_backend=attention_backend,
-        dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    """A warmed-up runner of the model at `path`; `config`: other `ShardConfig` fields (attention_backend,
+    dtype, kv_cache_dtype, quantize, ...)."""
+    config = ShardConfig(model_path=path, socket_path=path / "unused.sock", block_size=block_size, **config)
     runner = ModelRunner(config)
     runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=max_total_kv_tokens)
     return runner

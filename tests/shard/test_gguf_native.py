@@ -17,7 +17,6 @@ import pytest
 import torch
 from rill import convert
 from rill.convert import ensure_default_model, ensure_gguf_model, find_gguf
-from rill.shard.config import ShardConfig
 from rill.shard.runner import ModelRunner
 from rill.shard.weights import GGUF_FILE
 
@@ -43,16 +42,7 @@ def quantized_names(model: torch.nn.Module) -> set[str]:
 
 
 def runner(path: Path, activations: str = "float32", backend: str = "auto") -> ModelRunner:
-    config = ShardConfig(
-        model_path=path,
-        socket_path=path / "unused.sock",
-        block_size=4,
-        attention_backend=backend,
-        quantized_activations=activations,
-    )
-    model_runner = ModelRunner(config)
-    model_runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=1024)
-    return model_runner
+    return make_runner(path, attention_backend=backend, quantized_activations=activations)
 
 
 @pytest.fixture(scope="module")
@@ -116,22 +106,10 @@ def test_quantize_at_load(tmp_path: Path, qtype: str) -> None:
     the kernel tests bound the rounding of `quantize`)."""
     path = save_tiny_model(tmp_path, vocab_size=512, hidden_size=256, intermediate_size=512)
 
-    def quantized(backend: str) -> ModelRunner:
-        config = ShardConfig(
-            model_path=path,
-            socket_path=path / "u.sock",
-            block_size=4,
-            quantize=qtype,
-            attention_backend=backend,
-        )
-        model_runner = ModelRunner(config)
-        model_runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=1024)
-        return model_runner
-
-    kernels = quantized("auto")
+    kernels = make_runner(path, quantize=qtype)
     projections = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert quantized_names(kernels.model) == projections | {"embed_tokens", "lm_head"}
-    expected = all_position_logits(quantized("torch"), PROMPT)
+    expected = all_position_logits(make_runner(path, quantize=qtype, attention_backend="torch"), PROMPT)
     got = all_position_logits(kernels, PROMPT)
     assert ((got - expected).norm() / expected.norm()).item() < 1e-5
     assert not torch.equal(got, all_position_logits(make_runner(path), PROMPT))

@@ -26,7 +26,7 @@ from rill.shard.kv_cache import KVCache, dequantize_int8, quantize_int8
 from rill.shard.runner import ModelRunner
 
 from bench.kernel_cases import AttentionCase, make_case, max_relative_error, plain_attention
-from tests.shard.conftest import chunk, logits_of, save_tiny_model
+from tests.shard.conftest import chunk, logits_of, make_runner, save_tiny_model
 from tests.shard.test_cpu_kernels import BATCHES, TOLERANCE, metadata, reference_attention
 
 OPS = cpu.CpuOps()
@@ -262,16 +262,13 @@ def test_swap_copies_the_scales_with_the_rows(kernel_layout: bool) -> None:
 def runner(
     path: Path, kv_cache_dtype: str, attention_backend: str = "auto", max_total_kv_tokens: int = 1024
 ) -> ModelRunner:
-    config = ShardConfig(
-        model_path=path,
-        socket_path=path / "unused.sock",
+    return make_runner(
+        path,
         block_size=16,
+        max_total_kv_tokens=max_total_kv_tokens,
         attention_backend=attention_backend,
         kv_cache_dtype=kv_cache_dtype,
     )
-    model_runner = ModelRunner(config)
-    model_runner.warmup(max_batch_tokens=64, max_batch_size=4, max_total_kv_tokens=max_total_kv_tokens)
-    return model_runner
 
 
 def test_bytes_per_block_counts_the_scales_and_sizes_more_blocks(tmp_path: Path) -> None:
