@@ -144,3 +144,15 @@ def test_default_model_weights_take_the_file_bytes() -> None:
     }
     floats = sum(p.numel() * p.element_size() for p in model.parameters())
     assert sum(packed.values()) + floats <= (native / GGUF_FILE).stat().st_size * 1.01
+
+
+def test_a_layer_of_quantized_and_float_parts_is_refused(tmp_path: Path) -> None:
+    """A fused layer (q/k/v, gate/up) whose parts the file stores some quantized, some in float cannot run
+    either way: loading names it rather than running a half-loaded weight."""
+    if convert.importlib.util.find_spec(convert.GGUF_PACKAGE) is None:
+        pytest.skip(f"needs `{convert.INSTALL_COMMAND}` (its tokenizer)")
+    hf_dir = save_tiny_model(tmp_path / "hf", vocab_size=49152, hidden_size=256, intermediate_size=512)
+    write_tiny_llama_gguf(hf_dir, find_gguf(), tmp_path / "mixed.gguf", quant_cycle=("Q8_0", "F32"))
+    native = ensure_gguf_model(tmp_path / "mixed.gguf", cache_dir=tmp_path / "cache", quantized=True)
+    with pytest.raises(ValueError, match="quantized and others in float"):
+        runner(native)

@@ -226,6 +226,12 @@ def load_gguf_weights(model: CheckpointLayout, model_path: Path) -> None:
                 _default_weight_loader(param, values)
         loaded.add(target)
     _check_complete(params, loaded, model_path)
+    mixed = [name for name, module in modules.items() if getattr(module, "partly_quantized", False)]
+    if mixed:
+        raise ValueError(
+            f"{GGUF_FILE} stores some parts of {mixed[0]} quantized and others in float; serve it expanded "
+            "(--dtype float32)"
+        )
     logger.info(
         "loaded %d tensors from %s (%d quantized, kept as they are)",
         len(reader.tensors),

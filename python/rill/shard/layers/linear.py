@@ -173,6 +173,12 @@ class Linear(KernelLayer):
         if len(self._quantized_parts) == len(parts):
             self.quantized = [self._quantized_parts.pop(part) for part in parts]
 
+    @property
+    def partly_quantized(self) -> bool:
+        """Some parts came quantized and others not (a file that stores a fused layer's parts in float and
+        quantized types): the layer cannot run either way."""
+        return bool(self._quantized_parts)
+
     def accepts(self, ops: KernelOps) -> bool:
         return ops.provides("linear")
 
