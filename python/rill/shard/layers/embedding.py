@@ -117,9 +117,11 @@ class LMHead(VocabParallel):
     def use_ops(self, ops: KernelOps | None) -> None:
         """Tied, the head reads the embedding's matrix as the embedding holds it after its own `use_ops`
         (which `install_ops` runs first: the embedding comes first in the model): its quantized packed matrix,
-        or its (possibly de-quantized) weight."""
+        or its (possibly de-quantized) weight. A GGUF file may store the head apart even for a tied model
+        (llama.cpp's converter writes `output.weight`, often in a finer type): then the head multiplies its
+        own quantized matrix, as llama.cpp does."""
         super().use_ops(ops)
-        if self.tied_to is not None:
+        if self.tied_to is not None and self.quantized is None:
             assert self.tied_to.quantized is None, "the embedding installs its ops before the head"
             if self.ops is not None and self.tied_to.packed is not None:
                 self.packed, self.weight = self.tied_to.packed, None

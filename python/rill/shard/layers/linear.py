@@ -75,11 +75,12 @@ def pack_for(layer: Any, keep_weight: bool) -> PackedWeight | None:
     """The packed weight of a layer (a `Linear`, the LM head) whose ops provide `linear`, packed once (None
     while it has neither ops nor a packed weight); unless `keep_weight` (a tied weight others read), the
     packed copy replaces the layer's `weight`. A quantized layer (`quantized` set) is packed from its parts
-    where the ops provide `pack_quantized`; otherwise its weight is de-quantized once, for the references."""
+    where the ops provide `pack_quantized`; otherwise its weight is de-quantized once, for the references.
+    Either way the parts are dropped (views of a GGUF file's mapping keep all of it resident)."""
     if layer.quantized is not None:
         if layer.ops is not None and layer.ops.provides("pack_quantized"):
             packed = PackedWeight(layer.quantized, layer.ops)
-            layer.weight = None
+            layer.weight, layer.quantized = None, None
             return packed
         layer.weight = nn.Parameter(torch.cat([dequantize(p) for p in layer.quantized]), requires_grad=False)
         layer.quantized = None
@@ -185,8 +186,6 @@ class Linear(KernelLayer):
     def use_ops(self, ops: KernelOps | None) -> None:
         super().use_ops(ops)
         self.packed = pack_for(self, keep_weight=False)
-        if self.packed is not None:
-            self.quantized = None
         if self.lora is not None:
             self.lora.use_ops(ops)
 
