@@ -86,8 +86,8 @@ RUN useradd --create-home --home-dir /home/rill --uid 1000 --user-group --shell 
 USER 1000:1000
 WORKDIR /home/rill
 # The CPU kernels, into $HOME/.cache/rill/kernels/cpu-<hash> (keyed by sources, torch, flags and CPU features);
-# the default model, converted from its GGUF into $XDG_CACHE_HOME/rill/models, so a container starts serving
-# it without converting.
+# the default model's folder in $XDG_CACHE_HOME/rill/models (config, tokenizer, a link to its GGUF file, whose
+# weights are served as they are), so a container starts serving it without converting.
 RUN python -m rill.kernels.build && python -m rill.convert
 # The model cache is a volume (declared after the conversion, which it starts from): with a named volume there,
 # a model converted from a .gguf (RILL_MODEL_ID=/models/x.gguf) is converted once, not once per container.

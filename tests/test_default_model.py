@@ -192,7 +192,7 @@ def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) 
 def _fake_conversion(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> None:
     """Replaces the slow real conversion with one that writes placeholder files (or fails midway)."""
 
-    def fake_convert(gguf_path: Path, out_dir: Path) -> None:
+    def fake_convert(gguf_path: Path, out_dir: Path, quantized: bool) -> None:
         (out_dir / "config.json").write_text("{}")
         if fail:
             raise KeyboardInterrupt  # as if the user stopped the conversion

@@ -30,7 +30,7 @@ The folder appears atomically: conversion writes to a temporary sibling folder t
 place, so a killed conversion never leaves a half folder. `transformers` is used only here, as a
 one-time format converter.
 
-Run: python -m rill.convert [--cache-dir DIR] [GGUF_FILE]   (prints the folder path)
+Run: python -m rill.convert [--cache-dir DIR] [--expand] [GGUF_FILE]   (prints the folder path)
 """
 
 from __future__ import annotations
@@ -402,13 +402,20 @@ def main(argv: list[str] | None = None) -> int:
         help="folder that holds converted models "
         "(default: $XDG_CACHE_HOME/rill/models, or ~/.cache/rill/models)",
     )
+    parser.add_argument(
+        "--expand",
+        action="store_true",
+        help="de-quantize the weights to float32 (the folder `--dtype` or `--num-shard` > 1 serves); by "
+        "default the folder that serves the file as it is (a CPU with one shard and no --dtype)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        quantized = not args.expand
         if args.gguf_file is None:
-            model_dir = ensure_default_model(args.cache_dir)
+            model_dir = ensure_default_model(args.cache_dir, quantized)
         else:
-            model_dir = ensure_gguf_model(args.gguf_file, args.cache_dir)
+            model_dir = ensure_gguf_model(args.gguf_file, args.cache_dir, quantized)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
