@@ -247,7 +247,7 @@ def test_stack_refuses_lora_that_does_not_fit(tmp_path: Path) -> None:
     metadata = (torch.tensor([[1]]), torch.tensor([0, 1]), torch.tensor([4]))
     outside = torch.tensor([NUM_SLOTS], dtype=torch.int32)
     with pytest.raises(RuntimeError, match=f"is neither -1 nor one of the {NUM_SLOTS} LoRA slots"):
-        stack.forward(hidden, None, torch.tensor([0]), cos, sin, cache.k, cache.v, *metadata, outside)
+        stack.forward(hidden, None, torch.tensor([0]), cos, sin, cache.k, cache.v, *metadata, outside, [], [])
     with pytest.raises(RuntimeError, match="down_lora_a and down_lora_b must be given together"):
         cpu.decoder_stack([{**weights[0], "down_lora_b": None}], **shapes)
     with pytest.raises(RuntimeError, match="qkv_lora_b must be"):
