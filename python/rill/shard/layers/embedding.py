@@ -42,7 +42,11 @@ class VocabParallel(KernelLayer):
         tp_rank, tp_size = distributed.get_rank(), distributed.get_world_size()
         self.rows_per_rank = -(-vocab_size // tp_size)
         self.vocab_start = tp_rank * self.rows_per_rank
-        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
+        # Uninitialised, so untouched: a quantized matrix (`load_quantized`) never fills it, and the loader
+        # fills the vocabulary's rows; only the last rank's padding rows are zeroed here.
+        weight = torch.empty(self.rows_per_rank, hidden_size)
+        weight[max(0, vocab_size - self.vocab_start) :].zero_()
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.quantized: list[QuantizedTensor] | None = None  # `load_quantized`, until packed
         self.packed: PackedWeight | None = None  # set with kernel ops, after loading
