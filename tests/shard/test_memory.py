@@ -138,3 +138,36 @@ def test_swap_space_given_wins(tmp_path: Path, swap_space_bytes: int) -> None:
     result = runner.warmup(32, 4, 64, swap_space_bytes=swap_space_bytes)
     assert result.num_host_blocks == swap_space_bytes // result.bytes_per_block
     assert result.kv_pool_reason == "router asked for 64 tokens"
+
+
+MAPPED_ON_THEIR_OWN = """
+import ctypes
+import sys
+import torch
+from rill.shard.memory import return_large_frees
+
+class MallInfo2(ctypes.Structure):
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+if sys.argv[1] == "return":
+    assert return_large_frees()
+torch.empty(4 << 20, dtype=torch.uint8).fill_(1)  # a large block freed: glibc raises its threshold past it
+before = mallinfo2().hblkhd
+held = [torch.empty(2 << 20, dtype=torch.uint8).fill_(1) for _ in range(8)]
+print((mallinfo2().hblkhd - before) >> 20)
+"""
+
+
+@pytest.mark.parametrize("mode", ["keep", "return"])
+def test_freed_activations_go_back_to_the_system(mode: str) -> None:
+    """glibc serves 2 MiB activations from its heap once a larger block was freed (freed, they stay resident
+    unless they happen to end the heap); after `return_large_frees` (what a CPU shard calls at start) each
+    is mapped on its own (`mallinfo2().hblkhd`: bytes in such mappings), which freeing unmaps."""
+    import subprocess
+
+    script = [sys.executable, "-c", MAPPED_ON_THEIR_OWN, mode]
+    mapped_mib = int(subprocess.run(script, capture_output=True, text=True, check=True).stdout)
+    assert mapped_mib == (16 if mode == "return" else 0), mapped_mib

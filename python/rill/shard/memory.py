@@ -1,5 +1,6 @@
 """How much host memory this process may still use: the smaller of /proc/meminfo's MemAvailable and the room
-left under its cgroup's memory limit (v2 `memory.max`, v1 `memory.limit_in_bytes`, every ancestor's too).
+left under its cgroup's memory limit (v2 `memory.max`, v1 `memory.limit_in_bytes`, every ancestor's too); and
+how freed host memory goes back to the system.
 
 Inside a container /proc/meminfo describes the whole node, not the pod: sizing from it alone gets a pod
 OOM-killed. A cgroup's room is its limit minus the memory charged to it that cannot simply be dropped
@@ -8,11 +9,23 @@ OOM-killed. A cgroup's room is its limit minus the memory charged to it that can
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED_BYTES = 1 << 60  # cgroup v1 writes "no limit" as a huge page-aligned number
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+RETURNED_ALLOCATION_BYTES = 1 << 20
+
+
+def return_large_frees(threshold_bytes: int = RETURNED_ALLOCATION_BYTES) -> bool:
+    """Has the C library map every allocation of `threshold_bytes` or more on its own, so that freeing it
+    returns it to the system. glibc otherwise raises that threshold as large blocks are freed (up to 32 MiB)
+    and keeps a step's freed activations resident after it: on the default model at 16 clients, 89 MiB kept
+    after the workload. False where the C library has no `mallopt` (not glibc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from rill.shard.config import (
     QUANTIZED_ACTIVATIONS,
     ShardConfig,
 )
-from rill.shard.memory import CGROUP_ROOT
+from rill.shard.memory import CGROUP_ROOT, return_large_frees
 from rill.shard.pb.shard.v1 import shard_pb2, shard_pb2_grpc
 from rill.shard.runner import LoraOffError, ModelRunner, NotReadyError
 from rill.shard.sampling import SamplingParams
@@ -414,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
+    if config.device == "cpu" and not return_large_frees():
+        logger.info("no glibc mallopt: freed activations may stay resident")
     asyncio.run(serve(config))
 
 
