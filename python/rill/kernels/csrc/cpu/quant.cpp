@@ -179,21 +179,30 @@ void dequantize_block(const uint8_t* b, float* out) {
 }
 
 // x as the tiles read it: float32 rows as they are, with sx = the sum of each block of 32 (in order); or, for
-// int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q).
+// int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q). dx8 and sx8 hold the same
+// values for groups of kTileRows rows, block-major within a group ([m / kTileRows][blocks][kTileRows], rows
+// past m zero), so a tile of kTileRows rows reads a block's eight values as one vector.
 struct QuantizedRows {
   const float* x;
   std::vector<int8_t> q;
-  std::vector<float> dx, sx;
+  std::vector<float> dx, sx, dx8, sx8;
 };
 
 void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows* out, int num_threads) {
-  const int64_t blocks = k / kSub;
+  const int64_t blocks = k / kSub, grouped = (m + kTileRows - 1) / kTileRows * kTileRows * blocks;
   out->x = x;
   out->sx.resize(m * blocks);
+  out->sx8.resize(grouped);
   if (int8) {
     out->q.resize(m * k);
     out->dx.resize(m * blocks);
+    out->dx8.resize(grouped);
   }
+  // Block i of the rows (row i / blocks, block i % blocks) in the grouped layout.
+  const auto at8 = [blocks](int64_t i) {
+    const int64_t row = i / blocks;
+    return (row / kTileRows * blocks + i % blocks) * kTileRows + row % kTileRows;
+  };
   at::parallel_for(0, m * blocks, num_threads > 1 && m * k >= (1 << 16) ? 256 : m * blocks + 1,
                    [&](int64_t begin, int64_t end) {
                      for (int64_t i = begin; i < end; ++i) {
@@ -201,7 +210,7 @@ void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows
                        if (!int8) {
                          float sum = 0.0f;
                          for (int j = 0; j < kSub; ++j) sum += v[j];
-                         out->sx[i] = sum;
+                         out->sx[i] = out->sx8[at8(i)] = sum;
                          continue;
                        }
                        int8_t* q = out->q.data() + (i / blocks) * k + (i % blocks) * kSub;
@@ -214,8 +223,8 @@ void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows
                          q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
                          sum += q[j];
                        }
-                       out->dx[i] = d;
-                       out->sx[i] = d * static_cast<float>(sum);
+                       out->dx[i] = out->dx8[at8(i)] = d;
+                       out->sx[i] = out->sx8[at8(i)] = d * static_cast<float>(sum);
                      }
                    });
 }
@@ -484,6 +493,60 @@ void tile_float_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const Quant
   }
 }
 
+// kTileRows rows of x from r0 (a multiple of kTileRows) against one weight row: the arithmetic of tile_avx2 and
+// tile_float_avx2 with R = kTileRows, C = 1, with the rows' block scales and sums read as vectors (dx8, sx8):
+// per sub-block one multiply gives the eight rows' scales d * dx and one fused multiply-add the eight min
+// chains, each lane what the scalar operation computes.
+template <int64_t QT, bool Int8>
+void tile8_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, float* y, int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  __m256 acc[kTileRows], macc = _mm256_setzero_ps();
+  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm256_setzero_ps();
+  const float* dx8 = Int8 ? xr.dx8.data() + r0 * xblocks : nullptr;
+  const float* sx8 = xr.sx8.data() + r0 * xblocks;
+  alignas(32) float scales[kTileRows];
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < subs; ++s) {
+      const int64_t g = b * subs + s;
+      float d, m = 0.0f;
+      __m256i mul;
+      const __m256i q = decode_avx2<QT>(w + b * block_bytes, s, &d, &m, &mul);
+      if constexpr (kHasMin<QT>) {
+        macc = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx8 + g * kTileRows), macc);
+      }
+      if constexpr (Int8) {
+        _mm256_store_ps(scales, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(dx8 + g * kTileRows)));
+        const __m256i magnitude = kSigned<QT> ? _mm256_sign_epi8(q, q) : q;
+#pragma GCC unroll 8
+        for (int r = 0; r < kTileRows; ++r) {
+          const __m256i xv =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (r0 + r) * k + g * kSub));
+          const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, q) : xv;
+          const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), mul);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(scales + r), acc[r]);
+        }
+      } else {
+        __m256 wf[4];
+        widen_avx2<QT>(q, mul, wf);
+        const __m256 scale = _mm256_set1_ps(d);
+#pragma GCC unroll 8
+        for (int r = 0; r < kTileRows; ++r) {
+          const float* xv = xr.x + (r0 + r) * k + g * kSub;
+          __m256 lane = _mm256_mul_ps(_mm256_loadu_ps(xv), wf[0]);
+          lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 8), wf[1], lane);
+          lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 16), wf[2], lane);
+          lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 24), wf[3], lane);
+          acc[r] = _mm256_fmadd_ps(lane, scale, acc[r]);
+        }
+      }
+    }
+  }
+  alignas(32) float mins[kTileRows];
+  _mm256_store_ps(mins, macc);
+  for (int r = 0; r < kTileRows; ++r) y[r * ldy] = lane_tree_avx2(acc[r]) + mins[r];
+}
+
 template <int64_t QT, int R, int C>
 void tile_rows_avx2(int rows, bool int8, const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xq,
                     int64_t r0, float* y, int64_t ldy) {
@@ -526,6 +589,14 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r));
       float* out = y + r * ldy + column + j;
 #if defined(RILL_QUANT_AVX2)
+      if (!portable && rows == kTileRows && r % kTileRows == 0) {
+        if (int8) {
+          tile8_avx2<QT, true>(w, k, xq, r, out, ldy);
+        } else {
+          tile8_avx2<QT, false>(w, k, xq, r, out, ldy);
+        }
+        continue;
+      }
       if (!portable) {
         tile_rows_avx2<QT, kTileRows, 1>(rows, int8, w, row_bytes, k, xq, r, out, ldy);
         continue;
@@ -578,7 +649,8 @@ void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m
   };
   std::vector<Task> tasks;
   const int64_t num_row_blocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t row_block = (m + num_row_blocks - 1) / num_row_blocks;  // blocks of equal size
+  // Blocks of about equal size, whole tiles (so that tiles start at multiples of kTileRows).
+  const int64_t row_block = ((m + num_row_blocks - 1) / num_row_blocks + kTileRows - 1) / kTileRows * kTileRows;
   for (int64_t r = 0; r < m; r += row_block) {
     int64_t column = 0;
     for (int64_t p = 0; p < header.num_parts; ++p) {
