@@ -20,8 +20,9 @@
 //
 // Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
 // times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A tile
-// is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile), or, for a
-// batch of one or two rows, kWeightRows weight rows at once (independent chains, x loaded once).
+// is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile; a whole tile
+// reads its rows' block scales and sums as vectors), or, for a batch of one or two rows, kWeightRows weight rows
+// at once (independent chains, x loaded once).
 
 #include <ATen/Parallel.h>
 
