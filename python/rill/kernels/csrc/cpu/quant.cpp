@@ -237,37 +237,10 @@ inline float lane_tree(const float* l) {
   return b0 + b1;
 }
 
-// One weight row (its blocks at `w`) against `rows` rows of float x starting at row r0: y[i * ldy].
-template <int64_t QT>
-void tile_float_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, int rows, float* y,
-                         int64_t ldy) {
-  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
-  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
-  float acc[kTileRows][8] = {}, macc[kTileRows] = {};
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int s = 0; s < subs; ++s) {
-      SubBlock sub;
-      decode<QT>(w + b * block_bytes, s, &sub);
-      float q[kSub];
-      for (int e = 0; e < kSub; ++e) q[e] = static_cast<float>(sub.q[e] * sub.scale16[e / 16]);
-      const int64_t g = b * subs + s;
-      for (int r = 0; r < rows; ++r) {
-        const float* xv = xr.x + (r0 + r) * k + g * kSub;
-        for (int l = 0; l < 8; ++l) {
-          float lane = xv[l] * q[l];
-          for (int part = 1; part < 4; ++part) lane = std::fmaf(xv[8 * part + l], q[8 * part + l], lane);
-          acc[r][l] = std::fmaf(lane, sub.d, acc[r][l]);
-        }
-        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[(r0 + r) * xblocks + g], macc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < rows; ++r) y[r * ldy] = lane_tree(acc[r]) + macc[r];
-}
-
-// One weight row (its blocks at `w`) against `rows` rows of int8 x starting at row r0: y[i * ldy].
-template <int64_t QT>
-void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t r0, int rows, float* y,
+// One weight row (its blocks at `w`) against `rows` rows of x starting at row r0 (float32 x, or with Int8 the
+// rows' int8 blocks): y[i * ldy].
+template <int64_t QT, bool Int8>
+void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, int rows, float* y,
                    int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
@@ -276,19 +249,32 @@ void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xq, int64_t
     for (int s = 0; s < subs; ++s) {
       SubBlock sub;
       decode<QT>(w + b * block_bytes, s, &sub);
+      float q[kSub];
+      if constexpr (!Int8) {
+        for (int e = 0; e < kSub; ++e) q[e] = static_cast<float>(sub.q[e] * sub.scale16[e / 16]);
+      }
       const int64_t g = b * subs + s;
       for (int r = 0; r < rows; ++r) {
-        const int8_t* xv = xq.q.data() + (r0 + r) * k + g * kSub;
-        const float scale = sub.d * xq.dx[(r0 + r) * xblocks + g];
-        for (int l = 0; l < 8; ++l) {
-          int32_t isum = 0;
-          for (int pair = 0; pair < 2; ++pair) {
-            const int e = 4 * l + 2 * pair;
-            isum += (sub.q[e] * xv[e] + sub.q[e + 1] * xv[e + 1]) * sub.scale16[e / 16];
+        if constexpr (Int8) {
+          const int8_t* xv = xr.q.data() + (r0 + r) * k + g * kSub;
+          const float scale = sub.d * xr.dx[(r0 + r) * xblocks + g];
+          for (int l = 0; l < 8; ++l) {
+            int32_t isum = 0;
+            for (int pair = 0; pair < 2; ++pair) {
+              const int e = 4 * l + 2 * pair;
+              isum += (sub.q[e] * xv[e] + sub.q[e + 1] * xv[e + 1]) * sub.scale16[e / 16];
+            }
+            acc[r][l] = std::fmaf(static_cast<float>(isum), scale, acc[r][l]);
           }
-          acc[r][l] = std::fmaf(static_cast<float>(isum), scale, acc[r][l]);
+        } else {
+          const float* xv = xr.x + (r0 + r) * k + g * kSub;
+          for (int l = 0; l < 8; ++l) {
+            float lane = xv[l] * q[l];
+            for (int part = 1; part < 4; ++part) lane = std::fmaf(xv[8 * part + l], q[8 * part + l], lane);
+            acc[r][l] = std::fmaf(lane, sub.d, acc[r][l]);
+          }
         }
-        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xq.sx[(r0 + r) * xblocks + g], macc[r]);
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[(r0 + r) * xblocks + g], macc[r]);
       }
     }
   }
@@ -604,9 +590,9 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
       }
 #endif
       if (int8) {
-        tile_portable<QT>(w, k, xq, r, rows, out, ldy);
+        tile_portable<QT, true>(w, k, xq, r, rows, out, ldy);
       } else {
-        tile_float_portable<QT>(w, k, xq, r, rows, out, ldy);
+        tile_portable<QT, false>(w, k, xq, r, rows, out, ldy);
       }
     }
   }
