@@ -357,56 +357,6 @@ inline float lane_tree_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));                              // b_0 + b_1
 }
 
-// C weight rows (`row_bytes` apart) against R rows of int8 x: y[r * ldy + c]. Each (r, c) has its own chains;
-// C > 1 serves small batches, whose single chain per output would otherwise wait on its own latency.
-template <int64_t QT, int R, int C>
-void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xq, int64_t r0, float* y,
-               int64_t ldy) {
-  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
-  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
-  __m256 acc[R][C];
-  float macc[R][C];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      macc[r][c] = 0.0f;
-    }
-  }
-  const int8_t* xrows = xq.q.data() + r0 * k;
-  const float* dx = xq.dx.data() + r0 * xblocks;
-  const float* sx = xq.sx.data() + r0 * xblocks;
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int s = 0; s < subs; ++s) {
-      const int64_t g = b * subs + s;
-      __m256i magnitude[C], sign[C], mul[C];
-      float d[C], m[C];
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        m[c] = 0.0f;
-        sign[c] = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d[c], &m[c], &mul[c]);
-        // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves its
-        // sign onto x.
-        magnitude[c] = kSigned<QT> ? _mm256_sign_epi8(sign[c], sign[c]) : sign[c];
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrows + r * k + g * kSub));
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, sign[c]) : xv;
-          const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[c], xs), mul[c]);
-          acc[r][c] =
-              _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[c] * dx[r * xblocks + g]), acc[r][c]);
-          if constexpr (kHasMin<QT>) macc[r][c] = std::fmaf(m[c], sx[r * xblocks + g], macc[r][c]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) y[r * ldy + c] = lane_tree_avx2(acc[r][c]) + macc[r][c];
-  }
-}
-
 // 32 small integers as four vectors of 8 floats (Q6_K: times the integer scale of each half, exact in float).
 template <int64_t QT>
 inline void widen_avx2(__m256i q, __m256i mul, __m256* out) {
@@ -428,10 +378,12 @@ inline void widen_avx2(__m256i q, __m256i mul, __m256* out) {
   }
 }
 
-// As tile_avx2, for float32 x.
-template <int64_t QT, int R, int C>
-void tile_float_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xr, int64_t r0,
-                     float* y, int64_t ldy) {
+// C weight rows (`row_bytes` apart) against R rows of x (float32, or with Int8 the rows' int8 blocks):
+// y[r * ldy + c]. Each (r, c) has its own chains; C > 1 serves small batches, whose single chain per output would
+// otherwise wait on its own latency.
+template <int64_t QT, int R, int C, bool Int8>
+void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+               int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
   __m256 acc[R][C];
@@ -442,35 +394,53 @@ void tile_float_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const Quant
       macc[r][c] = 0.0f;
     }
   }
-  const float* xrows = xr.x + r0 * k;
   const float* sx = xr.sx.data() + r0 * xblocks;
   for (int64_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < subs; ++s) {
       const int64_t g = b * subs + s;
-      __m256 wf[C][4], scale[C];
-      float m[C];
+      __m256i q[C], magnitude[C], mul[C];
+      __m256 wf[C][4];
+      float d[C], m[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        float d;
-        __m256i mul;
         m[c] = 0.0f;
-        const __m256i q = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d, &m[c], &mul);
-        widen_avx2<QT>(q, mul, wf[c]);
-        scale[c] = _mm256_set1_ps(d);
+        q[c] = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d[c], &m[c], &mul[c]);
+        if constexpr (Int8) {
+          // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves
+          // its sign onto x.
+          magnitude[c] = kSigned<QT> ? _mm256_sign_epi8(q[c], q[c]) : q[c];
+        } else {
+          widen_avx2<QT>(q[c], mul[c], wf[c]);
+        }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const float* xv = xrows + r * k + g * kSub;
-        const __m256 x0 = _mm256_loadu_ps(xv), x1 = _mm256_loadu_ps(xv + 8);
-        const __m256 x2 = _mm256_loadu_ps(xv + 16), x3 = _mm256_loadu_ps(xv + 24);
+        if constexpr (Int8) {
+          const int8_t* xq = xr.q.data() + (r0 + r) * k + g * kSub;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+          const float dx = xr.dx[(r0 + r) * xblocks + g];
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          __m256 lane = _mm256_mul_ps(x0, wf[c][0]);
-          lane = _mm256_fmadd_ps(x1, wf[c][1], lane);
-          lane = _mm256_fmadd_ps(x2, wf[c][2], lane);
-          lane = _mm256_fmadd_ps(x3, wf[c][3], lane);
-          acc[r][c] = _mm256_fmadd_ps(lane, scale[c], acc[r][c]);
-          if constexpr (kHasMin<QT>) macc[r][c] = std::fmaf(m[c], sx[r * xblocks + g], macc[r][c]);
+          for (int c = 0; c < C; ++c) {
+            const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, q[c]) : xv;
+            const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[c], xs), mul[c]);
+            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[c] * dx), acc[r][c]);
+          }
+        } else {
+          const float* xv = xr.x + (r0 + r) * k + g * kSub;
+          const __m256 x0 = _mm256_loadu_ps(xv), x1 = _mm256_loadu_ps(xv + 8);
+          const __m256 x2 = _mm256_loadu_ps(xv + 16), x3 = _mm256_loadu_ps(xv + 24);
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) {
+            __m256 lane = _mm256_mul_ps(x0, wf[c][0]);
+            lane = _mm256_fmadd_ps(x1, wf[c][1], lane);
+            lane = _mm256_fmadd_ps(x2, wf[c][2], lane);
+            lane = _mm256_fmadd_ps(x3, wf[c][3], lane);
+            acc[r][c] = _mm256_fmadd_ps(lane, _mm256_set1_ps(d[c]), acc[r][c]);
+          }
+        }
+        if constexpr (kHasMin<QT>) {
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) macc[r][c] = std::fmaf(m[c], sx[r * xblocks + g], macc[r][c]);
         }
       }
     }
@@ -480,10 +450,10 @@ void tile_float_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const Quant
   }
 }
 
-// kTileRows rows of x from r0 (a multiple of kTileRows) against one weight row: the arithmetic of tile_avx2 and
-// tile_float_avx2 with R = kTileRows, C = 1, with the rows' block scales and sums read as vectors (dx8, sx8):
-// per sub-block one multiply gives the eight rows' scales d * dx and one fused multiply-add the eight min
-// chains, each lane what the scalar operation computes.
+// kTileRows rows of x from r0 (a multiple of kTileRows) against one weight row: tile_avx2's arithmetic with
+// R = kTileRows, C = 1, the rows' block scales and sums read as vectors (dx8, sx8): per sub-block one multiply
+// gives the eight rows' scales d * dx and one fused multiply-add the eight min chains, each lane what the
+// scalar operation computes.
 template <int64_t QT, bool Int8>
 void tile8_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, float* y, int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
@@ -541,9 +511,9 @@ void tile_rows_avx2(int rows, bool int8, const uint8_t* w, int64_t row_bytes, in
     if (rows < R) return tile_rows_avx2<QT, R - 1, C>(rows, int8, w, row_bytes, k, xq, r0, y, ldy);
   }
   if (int8) {
-    tile_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
+    tile_avx2<QT, R, C, true>(w, row_bytes, k, xq, r0, y, ldy);
   } else {
-    tile_float_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
+    tile_avx2<QT, R, C, false>(w, row_bytes, k, xq, r0, y, ldy);
   }
 }
 #endif
