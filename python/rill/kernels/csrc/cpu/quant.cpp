@@ -180,30 +180,28 @@ void dequantize_block(const uint8_t* b, float* out) {
 }
 
 // x as the tiles read it: float32 rows as they are, with sx = the sum of each block of 32 (in order); or, for
-// int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q). dx8 and sx8 hold the same
-// values for groups of kTileRows rows, block-major within a group ([m / kTileRows][blocks][kTileRows], rows
-// past m zero), so a tile of kTileRows rows reads a block's eight values as one vector.
+// int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q). dx and sx are laid out in
+// groups of kTileRows rows, block-major within a group ([m / kTileRows][blocks][kTileRows], rows past m zero),
+// so a tile of kTileRows rows reads a block's eight values as one vector; `at` finds one row's.
 struct QuantizedRows {
   const float* x;
+  int64_t blocks;
   std::vector<int8_t> q;
-  std::vector<float> dx, sx, dx8, sx8;
+  std::vector<float> dx, sx;
+
+  // Where block g of row r is in dx and sx.
+  int64_t at(int64_t r, int64_t g) const { return (r / kTileRows * blocks + g) * kTileRows + r % kTileRows; }
 };
 
 void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows* out, int num_threads) {
   const int64_t blocks = k / kSub, grouped = (m + kTileRows - 1) / kTileRows * kTileRows * blocks;
   out->x = x;
-  out->sx.resize(m * blocks);
-  out->sx8.resize(grouped);
+  out->blocks = blocks;
+  out->sx.resize(grouped);
   if (int8) {
     out->q.resize(m * k);
-    out->dx.resize(m * blocks);
-    out->dx8.resize(grouped);
+    out->dx.resize(grouped);
   }
-  // Block i of the rows (row i / blocks, block i % blocks) in the grouped layout.
-  const auto at8 = [blocks](int64_t i) {
-    const int64_t row = i / blocks;
-    return (row / kTileRows * blocks + i % blocks) * kTileRows + row % kTileRows;
-  };
   at::parallel_for(0, m * blocks, num_threads > 1 && m * k >= (1 << 16) ? 256 : m * blocks + 1,
                    [&](int64_t begin, int64_t end) {
                      for (int64_t i = begin; i < end; ++i) {
@@ -211,7 +209,7 @@ void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows
                        if (!int8) {
                          float sum = 0.0f;
                          for (int j = 0; j < kSub; ++j) sum += v[j];
-                         out->sx[i] = out->sx8[at8(i)] = sum;
+                         out->sx[out->at(i / blocks, i % blocks)] = sum;
                          continue;
                        }
                        int8_t* q = out->q.data() + (i / blocks) * k + (i % blocks) * kSub;
@@ -224,8 +222,8 @@ void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows
                          q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
                          sum += q[j];
                        }
-                       out->dx[i] = out->dx8[at8(i)] = d;
-                       out->sx[i] = out->sx8[at8(i)] = d * static_cast<float>(sum);
+                       out->dx[out->at(i / blocks, i % blocks)] = d;
+                       out->sx[out->at(i / blocks, i % blocks)] = d * static_cast<float>(sum);
                      }
                    });
 }
@@ -243,7 +241,7 @@ template <int64_t QT, bool Int8>
 void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, int rows, float* y,
                    int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
-  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  const int64_t blocks = k / kBlockElems<QT>;
   float acc[kTileRows][8] = {}, macc[kTileRows] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < subs; ++s) {
@@ -257,7 +255,7 @@ void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t
       for (int r = 0; r < rows; ++r) {
         if constexpr (Int8) {
           const int8_t* xv = xr.q.data() + (r0 + r) * k + g * kSub;
-          const float scale = sub.d * xr.dx[(r0 + r) * xblocks + g];
+          const float scale = sub.d * xr.dx[xr.at(r0 + r, g)];
           for (int l = 0; l < 8; ++l) {
             int32_t isum = 0;
             for (int pair = 0; pair < 2; ++pair) {
@@ -274,7 +272,7 @@ void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t
             acc[r][l] = std::fmaf(lane, sub.d, acc[r][l]);
           }
         }
-        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[(r0 + r) * xblocks + g], macc[r]);
+        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[xr.at(r0 + r, g)], macc[r]);
       }
     }
   }
@@ -385,7 +383,7 @@ template <int64_t QT, int R, int C, bool Int8>
 void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
                int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
-  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  const int64_t blocks = k / kBlockElems<QT>;
   __m256 acc[R][C];
   float macc[R][C];
   for (int r = 0; r < R; ++r) {
@@ -394,7 +392,6 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRo
       macc[r][c] = 0.0f;
     }
   }
-  const float* sx = xr.sx.data() + r0 * xblocks;
   for (int64_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < subs; ++s) {
       const int64_t g = b * subs + s;
@@ -418,7 +415,7 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRo
         if constexpr (Int8) {
           const int8_t* xq = xr.q.data() + (r0 + r) * k + g * kSub;
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-          const float dx = xr.dx[(r0 + r) * xblocks + g];
+          const float dx = xr.dx[xr.at(r0 + r, g)];
 #pragma GCC unroll 4
           for (int c = 0; c < C; ++c) {
             const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, q[c]) : xv;
@@ -440,7 +437,7 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRo
         }
         if constexpr (kHasMin<QT>) {
 #pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) macc[r][c] = std::fmaf(m[c], sx[r * xblocks + g], macc[r][c]);
+          for (int c = 0; c < C; ++c) macc[r][c] = std::fmaf(m[c], xr.sx[xr.at(r0 + r, g)], macc[r][c]);
         }
       }
     }
@@ -451,17 +448,17 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRo
 }
 
 // kTileRows rows of x from r0 (a multiple of kTileRows) against one weight row: tile_avx2's arithmetic with
-// R = kTileRows, C = 1, the rows' block scales and sums read as vectors (dx8, sx8): per sub-block one multiply
+// R = kTileRows, C = 1, the rows' block scales and sums read as vectors: per sub-block one multiply
 // gives the eight rows' scales d * dx and one fused multiply-add the eight min chains, each lane what the
 // scalar operation computes.
 template <int64_t QT, bool Int8>
 void tile8_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, float* y, int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
-  const int64_t blocks = k / kBlockElems<QT>, xblocks = k / kSub;
+  const int64_t blocks = k / kBlockElems<QT>;
   __m256 acc[kTileRows], macc = _mm256_setzero_ps();
   for (int r = 0; r < kTileRows; ++r) acc[r] = _mm256_setzero_ps();
-  const float* dx8 = Int8 ? xr.dx8.data() + r0 * xblocks : nullptr;
-  const float* sx8 = xr.sx8.data() + r0 * xblocks;
+  const float* dx8 = Int8 ? xr.dx.data() + xr.at(r0, 0) : nullptr;
+  const float* sx8 = xr.sx.data() + xr.at(r0, 0);
   alignas(32) float scales[kTileRows];
   for (int64_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < subs; ++s) {
