@@ -226,19 +226,15 @@ def measure_quantized_linears(
 
 
 def quantized_parts(lib: Any, packed: torch.Tensor) -> list[Any]:
-    """The parts of a packed quantized matrix back as `QuantizedTensor`s (views of its bytes)."""
+    """The parts of a packed quantized matrix back as `QuantizedTensor`s (the file's rows)."""
     from rill.kernels.quant import QTYPES, QuantizedTensor
 
     _, k = lib.quant_shape(packed)
     names = {number: name for name, (number, _, _) in QTYPES.items()}
-    parts = []
-    for qtype, rows, offset in lib.quant_parts(packed):
-        _, block, block_bytes = QTYPES[names[qtype]]
-        row_bytes = k // block * block_bytes
-        parts.append(
-            QuantizedTensor(names[qtype], packed[offset : offset + rows * row_bytes].view(rows, row_bytes), k)
-        )
-    return parts
+    return [
+        QuantizedTensor(names[qtype], lib.quant_file_rows(packed, p), k)
+        for p, (qtype, _) in enumerate(lib.quant_parts(packed))
+    ]
 
 
 def load_runner(

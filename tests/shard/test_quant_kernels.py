@@ -1,6 +1,7 @@
 """The CPU kernels on quantized weights (quant.cpp): every ggml type they take, against independent oracles.
 
-- `dequantize_rows` equals the `gguf` package's numpy de-quantization bitwise.
+- `dequantize_rows` equals the `gguf` package's numpy de-quantization bitwise, also from a matrix whose rows
+  are interleaved (packed for int8 activations).
 - `linear` on a quantized matrix, with float32 activations or int8 ones (`CpuOps(int8_activations=True)`),
   equals `rill.kernels.quant.reference_linear` (x, or x quantized per row as the kernels do, times the
   de-quantized weight, in float64) within float32 rounding of its sums.
@@ -60,15 +61,20 @@ def columns_for(qtype: str) -> list[int]:
     return [256, 1536] if QTYPES[qtype][1] == 256 else [64, 576, 1536]
 
 
+@BOTH
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
-def test_dequantize_rows_equals_gguf_bitwise(qtype):
+def test_dequantize_rows_equals_gguf_bitwise(qtype, ops):
+    """Packed for int8 activations, Q4_0 / Q4_1 / Q8_0 rows are interleaved by 8 (43 rows: the last group
+    padded); every row still reads back as the file has it."""
+    lib = cpu_kernels.load()
     for columns in columns_for(qtype):
-        weight = random_quantized(qtype, 40, columns, seed=columns)
-        packed = OPS.pack_quantized([weight])
-        rows = OPS.dequantize_rows(packed, torch.arange(40))
+        weight = random_quantized(qtype, 43, columns, seed=columns)
+        packed = ops.pack_quantized([weight])
+        rows = ops.dequantize_rows(packed, torch.arange(43))
         assert torch.equal(rows, dequantize(weight))
-        picked = torch.tensor([39, 0, 7, 7])
-        assert torch.equal(OPS.dequantize_rows(packed, picked), dequantize(weight)[picked])
+        picked = torch.tensor([42, 0, 7, 7, 8])
+        assert torch.equal(ops.dequantize_rows(packed, picked), dequantize(weight)[picked])
+        assert torch.equal(lib.quant_file_rows(packed, 0), weight.data)
 
 
 @BOTH
@@ -131,9 +137,11 @@ def test_mixed_parts_are_their_products_side_by_side(ops):
     )
 
 
-def test_packed_matrix_holds_the_file_bytes_and_no_more():
-    weight = random_quantized("Q4_1", 960, 576, seed=3)
-    packed = OPS.pack_quantized([weight])
+@BOTH
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_packed_matrix_holds_the_file_bytes_and_no_more(qtype, ops):
+    weight = random_quantized(qtype, 960, 1536, seed=3)
+    packed = ops.pack_quantized([weight])
     assert packed.dtype == torch.uint8 and packed.numel() - weight.data.numel() <= 256
 
 

@@ -217,14 +217,16 @@ class CpuOps(KernelOps):
         return load().linear(x, packed, out_features)
 
     def pack_quantized(self, parts: list[QuantizedTensor]) -> torch.Tensor:
-        """One uint8 buffer in huge pages: a header, then each part's blocks as the file holds them (the
-        weight's bytes, no more: 64-byte alignment aside)."""
+        """One uint8 buffer in huge pages: a header, then each part's blocks, the file's bytes and no more
+        (64-byte alignment aside; packed for int8 activations, Q4_0 / Q4_1 / Q8_0 parts hold 8 rows
+        interleaved, the last group padded with zero rows: `ops.h`, "Quantized matrices")."""
         lib = load()
         columns = {part.columns for part in parts}
         if len(columns) != 1:
             raise ValueError(f"the parts of a quantized weight must have the same columns, got {columns}")
         qtypes, rows = [p.type_number for p in parts], [p.shape[0] for p in parts]
-        packed = empty_huge_pages((lib.quant_packed_bytes(qtypes, rows, parts[0].columns),), torch.uint8)
+        size = lib.quant_packed_bytes(qtypes, rows, parts[0].columns, self.int8_activations)
+        packed = empty_huge_pages((size,), torch.uint8)
         lib.pack_quantized(
             packed, [(p.type_number, p.data) for p in parts], parts[0].columns, self.int8_activations
         )

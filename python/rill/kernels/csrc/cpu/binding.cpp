@@ -318,7 +318,8 @@ rill_cpu::QuantHeader quant_header(const at::Tensor& packed, const char* what) {
     const rill_cpu::QuantPart& part = header.parts[p];
     const int64_t elems = rill_cpu::quant_block_elems(part.qtype);
     TORCH_CHECK(elems != 0 && header.k % elems == 0 && part.rows >= 0 && part.offset >= 0 &&
-                    part.offset + part.rows * (header.k / elems) * rill_cpu::quant_block_bytes(part.qtype) <=
+                    part.offset + rill_cpu::quant_stored_rows(part.qtype, header.int8_activations, part.rows) *
+                                          (header.k / elems) * rill_cpu::quant_block_bytes(part.qtype) <=
                         packed.numel(),
                 what, ": part ", p, " is malformed");
     rows += part.rows;
@@ -344,7 +345,7 @@ void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t n, int
 // The bytes of a quantized matrix of these parts (types and row counts) for K inputs: the header, then each
 // part 64-byte aligned. Also fills the header's parts when given one.
 int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k,
-                     rill_cpu::QuantHeader* header, bool int8_activations = false) {
+                     rill_cpu::QuantHeader* header, bool int8_activations) {
   TORCH_CHECK(!qtypes.empty() && qtypes.size() == rows.size() &&
                   qtypes.size() <= static_cast<size_t>(rill_cpu::kMaxQuantParts),
               "a quantized matrix has 1 to ", rill_cpu::kMaxQuantParts, " parts, each a type and a row count");
@@ -355,7 +356,8 @@ int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64
     TORCH_CHECK(k > 0 && k % elems == 0, "K = ", k, " is not a multiple of the type's block of ", elems);
     TORCH_CHECK(rows[p] >= 0, "a part's row count must be >= 0");
     if (header != nullptr) header->parts[p] = {qtypes[p], rows[p], offset};
-    offset += 64 * ((rows[p] * (k / elems) * rill_cpu::quant_block_bytes(qtypes[p]) + 63) / 64);
+    const int64_t stored = rill_cpu::quant_stored_rows(qtypes[p], int8_activations, rows[p]);
+    offset += 64 * ((stored * (k / elems) * rill_cpu::quant_block_bytes(qtypes[p]) + 63) / 64);
     n += rows[p];
   }
   if (header != nullptr) {
@@ -368,8 +370,9 @@ int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64
   return offset;
 }
 
-int64_t quant_packed_bytes(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k) {
-  return quant_layout(qtypes, rows, k, nullptr);
+int64_t quant_packed_bytes(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k,
+                           bool int8_activations) {
+  return quant_layout(qtypes, rows, k, nullptr, int8_activations);
 }
 
 // Writes the quantized matrix of `parts` ((ggml type, uint8 [rows, row bytes]) each, in row order) into `out`,
@@ -395,8 +398,42 @@ void pack_quantized(at::Tensor out, const std::vector<std::tuple<int64_t, at::Te
     TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.size(1) == row_bytes,
                 "part ", p, " must be a uint8 [rows, ", row_bytes, "] tensor of its type's blocks");
     const at::Tensor contiguous = data.contiguous();
-    std::memcpy(base + header.parts[p].offset, contiguous.const_data_ptr(), rows[p] * row_bytes);
+    const auto* from = contiguous.const_data_ptr<uint8_t>();
+    uint8_t* to = base + header.parts[p].offset;
+    if (!rill_cpu::quant_interleaved(qtypes[p], int8_activations)) {
+      std::memcpy(to, from, rows[p] * row_bytes);
+      continue;
+    }
+    at::parallel_for(0, rows[p], 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < row_bytes; ++i) {
+          to[rill_cpu::interleaved_offset(qtypes[p], row_bytes, r, i)] = from[r * row_bytes + i];
+        }
+      }
+    });
   }
+}
+
+// The rows of part `p` of a quantized matrix as the file holds them, uint8 [rows, row bytes].
+at::Tensor quant_file_rows(const at::Tensor& packed, int64_t p) {
+  const rill_cpu::QuantHeader header = quant_header(packed, "packed");
+  TORCH_CHECK(p >= 0 && p < header.num_parts, "part ", p, " is outside [0, ", header.num_parts, ")");
+  const rill_cpu::QuantPart& part = header.parts[p];
+  const int64_t row_bytes = header.k / rill_cpu::quant_block_elems(part.qtype) *
+                            rill_cpu::quant_block_bytes(part.qtype);
+  auto out = at::empty({part.rows, row_bytes}, at::TensorOptions().dtype(at::kByte));
+  const uint8_t* from = packed.const_data_ptr<uint8_t>() + part.offset;
+  uint8_t* to = out.data_ptr<uint8_t>();
+  if (!rill_cpu::quant_interleaved(part.qtype, header.int8_activations)) {
+    std::memcpy(to, from, part.rows * row_bytes);
+    return out;
+  }
+  for (int64_t r = 0; r < part.rows; ++r) {
+    for (int64_t i = 0; i < row_bytes; ++i) {
+      to[r * row_bytes + i] = from[rill_cpu::interleaved_offset(part.qtype, row_bytes, r, i)];
+    }
+  }
+  return out;
 }
 
 std::tuple<int64_t, int64_t> quant_shape(const at::Tensor& packed) {
@@ -404,13 +441,11 @@ std::tuple<int64_t, int64_t> quant_shape(const at::Tensor& packed) {
   return {header.n, header.k};
 }
 
-// Each part of a quantized matrix: (ggml type, rows, byte offset in the buffer).
-std::vector<std::tuple<int64_t, int64_t, int64_t>> quant_parts(const at::Tensor& packed) {
+// Each part of a quantized matrix: (ggml type, rows); quant_file_rows gives its bytes.
+std::vector<std::tuple<int64_t, int64_t>> quant_parts(const at::Tensor& packed) {
   const rill_cpu::QuantHeader header = quant_header(packed, "packed");
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> parts;
-  for (int64_t p = 0; p < header.num_parts; ++p) {
-    parts.emplace_back(header.parts[p].qtype, header.parts[p].rows, header.parts[p].offset);
-  }
+  std::vector<std::tuple<int64_t, int64_t>> parts;
+  for (int64_t p = 0; p < header.num_parts; ++p) parts.emplace_back(header.parts[p].qtype, header.parts[p].rows);
   return parts;
 }
 
@@ -776,6 +811,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_quantized", &pack_quantized, release_gil);
   m.def("quant_shape", &quant_shape);
   m.def("quant_parts", &quant_parts);
+  m.def("quant_file_rows", &quant_file_rows);
   m.def("quantized_linear", &quantized_linear, py::arg("x"), py::arg("packed"), py::arg("portable") = false,
         release_gil);
   m.def("dequantize_rows", &dequantize_rows, release_gil);

@@ -127,6 +127,30 @@ struct QuantHeader {
   QuantPart parts[kMaxQuantParts];
 };
 
+// A matrix packed for int8 activations holds its Q4_0, Q4_1 and Q8_0 parts interleaved: each group of 8 rows
+// (the last padded with zero rows) block by block, the 8 rows' float16 d side by side (then their m, Q4_1),
+// then their quants in 4-byte pieces, piece by piece, each piece 8 rows x 4 bytes: the same bytes, so that one
+// vector holds the same 4 inputs' weights of 8 rows. Other parts, and matrices for float32 activations, keep the
+// file's rows.
+constexpr bool quant_interleaved(int64_t qtype, int64_t int8_activations) {
+  return int8_activations != 0 && (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0);
+}
+constexpr int64_t kInterleavedRows = 8;
+// The rows a part stores (interleaved: its rows rounded up to a whole group).
+constexpr int64_t quant_stored_rows(int64_t qtype, int64_t int8_activations, int64_t rows) {
+  return quant_interleaved(qtype, int8_activations) ? (rows + kInterleavedRows - 1) / kInterleavedRows * kInterleavedRows
+                                                    : rows;
+}
+// Where byte i of row r of an interleaved part (row_bytes per row) lies, from the part's start.
+constexpr int64_t interleaved_offset(int64_t qtype, int64_t row_bytes, int64_t r, int64_t i) {
+  const int64_t block = quant_block_bytes(qtype), fields = qtype == kQ4_1 ? 2 : 1, lane = r % kInterleavedRows;
+  const int64_t base = r / kInterleavedRows * kInterleavedRows * row_bytes + i / block * kInterleavedRows * block;
+  const int64_t t = i % block;
+  if (t < 2 * fields) return base + kInterleavedRows * 2 * (t / 2) + 2 * lane + t % 2;
+  const int64_t quant = t - 2 * fields;
+  return base + kInterleavedRows * 2 * fields + quant / 4 * 4 * kInterleavedRows + 4 * lane + quant % 4;
+}
+
 // y [m, n] = x [m, k] @ w^T for float32 x and a quantized matrix w, with float32 activations or (as the matrix
 // says) int8 ones quantized per row in blocks of 32; a fixed float order per output (quant.cpp), so a row's bits
 // do not depend on m nor the threads. `portable` runs the plain C++ path (bitwise equal to the AVX2 one).

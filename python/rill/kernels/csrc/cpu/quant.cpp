@@ -10,19 +10,23 @@
 //   multiply-adds), acc_l = fma(s_l, d, acc_l), and the min term m * sum(x of the sub-block) in a chain of its own.
 // - int8 activations (llama.cpp's way, fewer instructions per weight): each row of x quantized on its own, in
 //   blocks of 32, to int8 with one float scale dx = max|x| / 127 (q_x = round-half-even(x / dx)); per sub-block
-//   eight int32 lanes (lane l sums inputs 4l..4l+3, exactly: no int16 saturation is possible for these value
-//   ranges), acc_l = fma(float(isum_l), d * dx, acc_l), and the min term m * (dx * sum(q_x)).
+//   the exact integer sum isum = sum_i q_i q_x,i (no int16 saturation is possible for these value ranges, and
+//   |isum| < 2^24, so float(isum) is exact too), then acc = fma(float(isum), d * dx, acc) and, for the types with
+//   a min, acc = fma(m, dx * sum(q_x), acc): one chain per output. An integer sum has one value whatever the
+//   order of its additions, so each path adds its products the way its registers make cheapest.
 //
-// Either way every output is computed one fixed way, whatever the row count, the tile or the thread: the lane
-// chains over the sub-blocks in order, the min chain, then a fixed tree over the lanes. So a row's bits do not
-// depend on the batch. The portable path (any CPU; `portable` forces it) runs the same arithmetic and is
+// Either way every output is computed one fixed way, whatever the row count, the tile or the thread: the chains
+// over the sub-blocks in order (float: then a fixed tree over the eight lanes and the min chain). So a row's bits
+// do not depend on the batch. The portable path (any CPU; `portable` forces it) runs the same arithmetic and is
 // bitwise equal to the AVX2 one.
 //
 // Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
-// times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A tile
-// is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile; a whole tile
-// reads its rows' block scales and sums as vectors), or, for a batch of one or two rows, kWeightRows weight rows
-// at once (independent chains, x loaded once).
+// times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A float
+// tile is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile; a whole
+// tile reads its rows' block scales and sums as vectors), or, for a batch of one or two rows, kWeightRows weight
+// rows at once (independent chains, x loaded once). An int8 tile is kTileRows weight rows against up to
+// kInt8Rows rows of x: the eight rows' integer sums of a sub-block become one vector, so one conversion and one
+// fused multiply-add advance eight outputs.
 
 #include <ATen/Parallel.h>
 
@@ -43,7 +47,8 @@ namespace rill_cpu {
 namespace {
 
 constexpr int kTileRows = 8;          // rows of x a tile carries: 8 accumulators of the 16 AVX2 registers
-constexpr int kWeightRows = 4;        // weight rows a tile carries for a batch of at most 2 rows
+constexpr int kWeightRows = 4;        // weight rows a float tile carries for a batch of at most 2 rows
+constexpr int kInt8Rows = 4;          // rows of x an int8 tile carries
 constexpr int64_t kRowBlock = 64;     // rows of x a prefill task keeps in cache
 constexpr int64_t kWeightChunk = 16;  // weight rows per task
 constexpr int64_t kSub = 32;          // inputs per activation block and per weight sub-block
@@ -253,17 +258,13 @@ void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t
       }
       const int64_t g = b * subs + s;
       for (int r = 0; r < rows; ++r) {
-        if constexpr (Int8) {
+        if constexpr (Int8) {  // one chain, acc[r][0]
           const int8_t* xv = xr.q.data() + (r0 + r) * k + g * kSub;
-          const float scale = sub.d * xr.dx[xr.at(r0 + r, g)];
-          for (int l = 0; l < 8; ++l) {
-            int32_t isum = 0;
-            for (int pair = 0; pair < 2; ++pair) {
-              const int e = 4 * l + 2 * pair;
-              isum += (sub.q[e] * xv[e] + sub.q[e + 1] * xv[e + 1]) * sub.scale16[e / 16];
-            }
-            acc[r][l] = std::fmaf(static_cast<float>(isum), scale, acc[r][l]);
-          }
+          const int64_t at = xr.at(r0 + r, g);
+          int32_t isum = 0;
+          for (int e = 0; e < kSub; ++e) isum += sub.q[e] * xv[e] * sub.scale16[e / 16];
+          acc[r][0] = std::fmaf(static_cast<float>(isum), sub.d * xr.dx[at], acc[r][0]);
+          if constexpr (kHasMin<QT>) acc[r][0] = std::fmaf(sub.m, xr.sx[at], acc[r][0]);
         } else {
           const float* xv = xr.x + (r0 + r) * k + g * kSub;
           for (int l = 0; l < 8; ++l) {
@@ -271,12 +272,12 @@ void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t
             for (int part = 1; part < 4; ++part) lane = std::fmaf(xv[8 * part + l], q[8 * part + l], lane);
             acc[r][l] = std::fmaf(lane, sub.d, acc[r][l]);
           }
+          if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[xr.at(r0 + r, g)], macc[r]);
         }
-        if constexpr (kHasMin<QT>) macc[r] = std::fmaf(sub.m, xr.sx[xr.at(r0 + r, g)], macc[r]);
       }
     }
   }
-  for (int r = 0; r < rows; ++r) y[r * ldy] = lane_tree(acc[r]) + macc[r];
+  for (int r = 0; r < rows; ++r) y[r * ldy] = Int8 ? acc[r][0] : lane_tree(acc[r]) + macc[r];
 }
 
 #if defined(RILL_QUANT_AVX2)
@@ -376,10 +377,9 @@ inline void widen_avx2(__m256i q, __m256i mul, __m256* out) {
   }
 }
 
-// C weight rows (`row_bytes` apart) against R rows of x (float32, or with Int8 the rows' int8 blocks):
-// y[r * ldy + c]. Each (r, c) has its own chains; C > 1 serves small batches, whose single chain per output would
-// otherwise wait on its own latency.
-template <int64_t QT, int R, int C, bool Int8>
+// C weight rows (`row_bytes` apart) against R rows of float32 x: y[r * ldy + c]. Each (r, c) has its own
+// chains; C > 1 serves small batches, whose single chain per output would otherwise wait on its own latency.
+template <int64_t QT, int R, int C>
 void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
                int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
@@ -395,45 +395,27 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRo
   for (int64_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < subs; ++s) {
       const int64_t g = b * subs + s;
-      __m256i q[C], magnitude[C], mul[C];
       __m256 wf[C][4];
       float d[C], m[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         m[c] = 0.0f;
-        q[c] = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d[c], &m[c], &mul[c]);
-        if constexpr (Int8) {
-          // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves
-          // its sign onto x.
-          magnitude[c] = kSigned<QT> ? _mm256_sign_epi8(q[c], q[c]) : q[c];
-        } else {
-          widen_avx2<QT>(q[c], mul[c], wf[c]);
-        }
+        __m256i mul;
+        const __m256i q = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d[c], &m[c], &mul);
+        widen_avx2<QT>(q, mul, wf[c]);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        if constexpr (Int8) {
-          const int8_t* xq = xr.q.data() + (r0 + r) * k + g * kSub;
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-          const float dx = xr.dx[xr.at(r0 + r, g)];
+        const float* xv = xr.x + (r0 + r) * k + g * kSub;
+        const __m256 x0 = _mm256_loadu_ps(xv), x1 = _mm256_loadu_ps(xv + 8);
+        const __m256 x2 = _mm256_loadu_ps(xv + 16), x3 = _mm256_loadu_ps(xv + 24);
 #pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) {
-            const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, q[c]) : xv;
-            const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[c], xs), mul[c]);
-            acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[c] * dx), acc[r][c]);
-          }
-        } else {
-          const float* xv = xr.x + (r0 + r) * k + g * kSub;
-          const __m256 x0 = _mm256_loadu_ps(xv), x1 = _mm256_loadu_ps(xv + 8);
-          const __m256 x2 = _mm256_loadu_ps(xv + 16), x3 = _mm256_loadu_ps(xv + 24);
-#pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) {
-            __m256 lane = _mm256_mul_ps(x0, wf[c][0]);
-            lane = _mm256_fmadd_ps(x1, wf[c][1], lane);
-            lane = _mm256_fmadd_ps(x2, wf[c][2], lane);
-            lane = _mm256_fmadd_ps(x3, wf[c][3], lane);
-            acc[r][c] = _mm256_fmadd_ps(lane, _mm256_set1_ps(d[c]), acc[r][c]);
-          }
+        for (int c = 0; c < C; ++c) {
+          __m256 lane = _mm256_mul_ps(x0, wf[c][0]);
+          lane = _mm256_fmadd_ps(x1, wf[c][1], lane);
+          lane = _mm256_fmadd_ps(x2, wf[c][2], lane);
+          lane = _mm256_fmadd_ps(x3, wf[c][3], lane);
+          acc[r][c] = _mm256_fmadd_ps(lane, _mm256_set1_ps(d[c]), acc[r][c]);
         }
         if constexpr (kHasMin<QT>) {
 #pragma GCC unroll 4
@@ -447,19 +429,16 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRo
   }
 }
 
-// kTileRows rows of x from r0 (a multiple of kTileRows) against one weight row: tile_avx2's arithmetic with
-// R = kTileRows, C = 1, the rows' block scales and sums read as vectors: per sub-block one multiply
-// gives the eight rows' scales d * dx and one fused multiply-add the eight min chains, each lane what the
-// scalar operation computes.
-template <int64_t QT, bool Int8>
+// kTileRows rows of float32 x from r0 (a multiple of kTileRows) against one weight row: tile_avx2's arithmetic
+// with R = kTileRows, C = 1, the rows' block sums read as a vector: per sub-block one fused multiply-add advances
+// the eight min chains, each lane what the scalar operation computes.
+template <int64_t QT>
 void tile8_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, float* y, int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>;
   __m256 acc[kTileRows], macc = _mm256_setzero_ps();
   for (int r = 0; r < kTileRows; ++r) acc[r] = _mm256_setzero_ps();
-  const float* dx8 = Int8 ? xr.dx.data() + xr.at(r0, 0) : nullptr;
   const float* sx8 = xr.sx.data() + xr.at(r0, 0);
-  alignas(32) float scales[kTileRows];
   for (int64_t b = 0; b < blocks; ++b) {
     for (int s = 0; s < subs; ++s) {
       const int64_t g = b * subs + s;
@@ -469,30 +448,17 @@ void tile8_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0
       if constexpr (kHasMin<QT>) {
         macc = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx8 + g * kTileRows), macc);
       }
-      if constexpr (Int8) {
-        _mm256_store_ps(scales, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(dx8 + g * kTileRows)));
-        const __m256i magnitude = kSigned<QT> ? _mm256_sign_epi8(q, q) : q;
+      __m256 wf[4];
+      widen_avx2<QT>(q, mul, wf);
+      const __m256 scale = _mm256_set1_ps(d);
 #pragma GCC unroll 8
-        for (int r = 0; r < kTileRows; ++r) {
-          const __m256i xv =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (r0 + r) * k + g * kSub));
-          const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, q) : xv;
-          const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), mul);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(scales + r), acc[r]);
-        }
-      } else {
-        __m256 wf[4];
-        widen_avx2<QT>(q, mul, wf);
-        const __m256 scale = _mm256_set1_ps(d);
-#pragma GCC unroll 8
-        for (int r = 0; r < kTileRows; ++r) {
-          const float* xv = xr.x + (r0 + r) * k + g * kSub;
-          __m256 lane = _mm256_mul_ps(_mm256_loadu_ps(xv), wf[0]);
-          lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 8), wf[1], lane);
-          lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 16), wf[2], lane);
-          lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 24), wf[3], lane);
-          acc[r] = _mm256_fmadd_ps(lane, scale, acc[r]);
-        }
+      for (int r = 0; r < kTileRows; ++r) {
+        const float* xv = xr.x + (r0 + r) * k + g * kSub;
+        __m256 lane = _mm256_mul_ps(_mm256_loadu_ps(xv), wf[0]);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 8), wf[1], lane);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 16), wf[2], lane);
+        lane = _mm256_fmadd_ps(_mm256_loadu_ps(xv + 24), wf[3], lane);
+        acc[r] = _mm256_fmadd_ps(lane, scale, acc[r]);
       }
     }
   }
@@ -502,15 +468,146 @@ void tile8_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0
 }
 
 template <int64_t QT, int R, int C>
-void tile_rows_avx2(int rows, bool int8, const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xq,
-                    int64_t r0, float* y, int64_t ldy) {
+void tile_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRows& xq, int64_t r0,
+                    float* y, int64_t ldy) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows_avx2<QT, R - 1, C>(rows, int8, w, row_bytes, k, xq, r0, y, ldy);
+    if (rows < R) return tile_rows_avx2<QT, R - 1, C>(rows, w, row_bytes, k, xq, r0, y, ldy);
   }
-  if (int8) {
-    tile_avx2<QT, R, C, true>(w, row_bytes, k, xq, r0, y, ldy);
+  tile_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
+}
+
+// Eight int32 vectors -> one: lane c is the sum of p[c]'s eight lanes (integers: any order gives the same sum).
+inline __m256i sum_lanes8(const __m256i* p) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  // a = (p0..p3 over lanes 0-3 | p0..p3 over lanes 4-7), b likewise for p4..p7.
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// kTileRows weight rows (`row_bytes` apart; `valid` of them real, the others repeat the last) against R rows of
+// int8 x from r0: y[r * ldy + c] for c < valid. Per sub-block the eight rows' exact integer sums against one row
+// of x are one vector, converted and multiplied by the eight d * dx at once (each lane the scalar operations).
+template <int64_t QT, int R>
+void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, const QuantizedRows& xr, int64_t r0,
+                    float* y, int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
+  const int64_t blocks = k / kBlockElems<QT>;
+  const uint8_t* rows[kTileRows];
+  for (int c = 0; c < kTileRows; ++c) rows[c] = w + std::min(c, valid - 1) * row_bytes;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < subs; ++s) {
+      const int64_t g = b * subs + s;
+      __m256i q[kTileRows], mul[kTileRows];
+      alignas(32) float d[kTileRows], m[kTileRows];
+#pragma GCC unroll 8
+      for (int c = 0; c < kTileRows; ++c) {
+        m[c] = 0.0f;
+        q[c] = decode_avx2<QT>(rows[c] + b * block_bytes, s, &d[c], &m[c], &mul[c]);
+      }
+      const __m256 d8 = _mm256_load_ps(d), m8 = _mm256_load_ps(m);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (r0 + r) * k + g * kSub));
+        __m256i p[kTileRows];
+#pragma GCC unroll 8
+        for (int c = 0; c < kTileRows; ++c) {
+          // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves its
+          // sign onto x.
+          const __m256i magnitude = kSigned<QT> ? _mm256_sign_epi8(q[c], q[c]) : q[c];
+          const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, q[c]) : xv;
+          p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), mul[c]);
+        }
+        const int64_t at = xr.at(r0 + r, g);
+        const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(p)), scale, acc[r]);
+        if constexpr (kHasMin<QT>) acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kTileRows];
+    _mm256_store_ps(out, acc[r]);
+    std::memcpy(y + r * ldy, out, valid * sizeof(float));
+  }
+}
+
+// One group of an interleaved part (ops.h: Q4_0, Q4_1 or Q8_0, 8 rows; `valid` of them real) against R rows of
+// int8 x from r0: y[r * ldy + c] for c < valid. A vector of a piece holds 4 inputs of each of the 8 rows, so one
+// maddubs against those 4 inputs of x, broadcast, serves all 8 rows: tile_int8_avx2's sums, without a transpose.
+template <int64_t QT, int R>
+void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+                  int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(QT), fields = QT == kQ4_1 ? 2 : 1;
+  constexpr int pieces = QT == kQ8_0 ? 8 : 4;  // 32-byte vectors of quants per block of 8 rows
+  const int64_t blocks = k / kSub;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < blocks; ++g) {
+    const uint8_t* b = group + g * kInterleavedRows * block_bytes;
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    __m256 m8 = _mm256_setzero_ps();
+    if constexpr (QT == kQ4_0) m8 = _mm256_mul_ps(_mm256_set1_ps(-8.0f), d8);
+    if constexpr (QT == kQ4_1) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+    const auto* quants = reinterpret_cast<const __m256i*>(b + 2 * kInterleavedRows * fields);
+    // Q4: piece p holds inputs 4p..4p+3 in its low nibbles, 16+4p..16+4p+3 in its high ones; Q8_0: 4p..4p+3.
+    // w[p]: the weights of inputs 4p..4p+3.
+    __m256i w[8];
+#pragma GCC unroll 8
+    for (int p = 0; p < pieces; ++p) {
+      const __m256i v = _mm256_loadu_si256(quants + p);
+      if constexpr (QT == kQ8_0) {
+        w[p] = v;
+      } else {
+        w[p] = _mm256_and_si256(v, low4);
+        w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const auto* xq = reinterpret_cast<const int32_t*>(xr.q.data() + (r0 + r) * k + g * kSub);
+      __m256i isum;
+      if constexpr (QT == kQ8_0) {  // signed weights: magnitudes times x with their signs; int32 per piece
+        isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) {
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), w[p]);
+          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[p], w[p]), xs);
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+        }
+      } else {  // 0..15 times -127..127: the eight pieces' pair sums stay within int16 (8 * 2 * 15 * 127)
+        __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
+#pragma GCC unroll 8
+        for (int p = 1; p < 8; ++p) {  // w[p] holds inputs 4p..4p+3, as xq[p] does
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
+        }
+        isum = _mm256_madd_epi16(pairs, ones);
+      }
+      const int64_t at = xr.at(r0 + r, g);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
+      if constexpr (kHasMin<QT>) acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kInterleavedRows];
+    _mm256_store_ps(out, acc[r]);
+    std::memcpy(y + r * ldy, out, valid * sizeof(float));
+  }
+}
+
+template <int64_t QT, int R>
+void tile_int8_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int valid, int64_t k,
+                         const QuantizedRows& xq, int64_t r0, float* y, int64_t ldy) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_int8_rows_avx2<QT, R - 1>(rows, w, row_bytes, valid, k, xq, r0, y, ldy);
+  }
+  if constexpr (quant_interleaved(QT, 1)) {
+    tile_x8_avx2<QT, R>(w, valid, k, xq, r0, y, ldy);
   } else {
-    tile_avx2<QT, R, C, false>(w, row_bytes, k, xq, r0, y, ldy);
+    tile_int8_avx2<QT, R>(w, row_bytes, valid, k, xq, r0, y, ldy);
   }
 }
 #endif
@@ -521,17 +618,30 @@ template <int64_t QT>
 void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& xq, int64_t r_begin, int64_t r_end,
                int64_t w_begin, int64_t w_end, float* y, int64_t ldy, int64_t column, bool portable) {
   const int64_t row_bytes = k / kBlockElems<QT> * quant_block_bytes(QT);
+  std::vector<uint8_t> file_row(quant_interleaved(QT, int8) ? row_bytes : 0);
 #if defined(RILL_QUANT_AVX2)
+  if (!portable && int8) {
+    static_assert(kTileRows == kInterleavedRows, "an int8 tile's weight rows are one interleaved group");
+    for (int64_t j = w_begin; j < w_end; j += kTileRows) {
+      const int valid = static_cast<int>(std::min<int64_t>(kTileRows, w_end - j));
+      for (int64_t r = r_begin; r < r_end; r += kInt8Rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kInt8Rows, r_end - r));
+        tile_int8_rows_avx2<QT, kInt8Rows>(rows, part + j * row_bytes, row_bytes, valid, k, xq, r,
+                                           y + r * ldy + column + j, ldy);
+      }
+    }
+    return;
+  }
   // Small batches: kWeightRows weight rows per tile (their own chains), at most kTileRows / kWeightRows rows of x.
   if (!portable && r_end - r_begin <= kTileRows / kWeightRows) {
     const int rows = static_cast<int>(r_end - r_begin);
     int64_t j = w_begin;
     for (; j + kWeightRows <= w_end; j += kWeightRows) {
-      tile_rows_avx2<QT, kTileRows / kWeightRows, kWeightRows>(rows, int8, part + j * row_bytes, row_bytes, k, xq,
+      tile_rows_avx2<QT, kTileRows / kWeightRows, kWeightRows>(rows, part + j * row_bytes, row_bytes, k, xq,
                                                                r_begin, y + r_begin * ldy + column + j, ldy);
     }
     for (; j < w_end; ++j) {
-      tile_rows_avx2<QT, kTileRows / kWeightRows, 1>(rows, int8, part + j * row_bytes, row_bytes, k, xq, r_begin,
+      tile_rows_avx2<QT, kTileRows / kWeightRows, 1>(rows, part + j * row_bytes, row_bytes, k, xq, r_begin,
                                                      y + r_begin * ldy + column + j, ldy);
     }
     return;
@@ -539,20 +649,20 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
 #endif
   for (int64_t j = w_begin; j < w_end; ++j) {
     const uint8_t* w = part + j * row_bytes;
+    if (!file_row.empty()) {  // an interleaved part, portable path: the row as the file holds it
+      for (int64_t i = 0; i < row_bytes; ++i) file_row[i] = part[interleaved_offset(QT, row_bytes, j, i)];
+      w = file_row.data();
+    }
     for (int64_t r = r_begin; r < r_end; r += kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r));
       float* out = y + r * ldy + column + j;
 #if defined(RILL_QUANT_AVX2)
       if (!portable && rows == kTileRows && r % kTileRows == 0) {
-        if (int8) {
-          tile8_avx2<QT, true>(w, k, xq, r, out, ldy);
-        } else {
-          tile8_avx2<QT, false>(w, k, xq, r, out, ldy);
-        }
+        tile8_avx2<QT>(w, k, xq, r, out, ldy);
         continue;
       }
       if (!portable) {
-        tile_rows_avx2<QT, kTileRows, 1>(rows, int8, w, row_bytes, k, xq, r, out, ldy);
+        tile_rows_avx2<QT, kTileRows, 1>(rows, w, row_bytes, k, xq, r, out, ldy);
         continue;
       }
 #endif
@@ -641,6 +751,14 @@ void dequantize_rows(const uint8_t* packed, const int64_t* rows, int64_t num_row
                          constexpr int64_t QT = decltype(qt)::value;
                          const int64_t blocks = k / kBlockElems<QT>, bytes = quant_block_bytes(QT);
                          const uint8_t* w = packed + part.offset + row * blocks * bytes;
+                         std::vector<uint8_t> file_row;
+                         if (quant_interleaved(QT, header.int8_activations)) {
+                           file_row.resize(blocks * bytes);
+                           for (int64_t j = 0; j < blocks * bytes; ++j) {
+                             file_row[j] = packed[part.offset + interleaved_offset(QT, blocks * bytes, row, j)];
+                           }
+                           w = file_row.data();
+                         }
                          for (int64_t b = 0; b < blocks; ++b) {
                            dequantize_block<QT>(w + b * bytes, out + i * k + b * kBlockElems<QT>);
                          }
