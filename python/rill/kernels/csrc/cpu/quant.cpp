@@ -298,17 +298,34 @@ inline __m256i bytes_from_bits(uint32_t bits) {
                            _mm256_set1_epi64x(-1));
 }
 
-// Sub-block s of the block at `b` as 32 bytes (signed types: int8; else unsigned 0..31), d and m, and the
-// multipliers of the int16 pair sums (Q6_K's scale of each half; else ones).
+// The scale d and min m of sub-block s of the block at `b` (w = d * q + m; m untouched for the types without).
 template <int64_t QT>
-inline __m256i decode_avx2(const uint8_t* b, int s, float* d, float* m, __m256i* mul) {
+inline void sub_scales(const uint8_t* b, int s, float* d, float* m) {
+  if constexpr (QT == kQ6_K) {
+    *d = half_to_float(b + 208);
+  } else if constexpr (QT == kQ8_0) {
+    *d = half_to_float(b);
+  } else if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
+    *d = half_to_float(b);
+    *m = QT == kQ4_0 ? -8.0f * *d : QT == kQ5_0 ? -16.0f * *d : half_to_float(b + 2);
+  } else {  // Q4_K, Q5_K
+    int scale, min;
+    scale_min_k4(s, b + 4, &scale, &min);
+    *d = half_to_float(b) * static_cast<float>(scale);
+    *m = -(half_to_float(b + 2) * static_cast<float>(min));
+  }
+}
+
+// Sub-block s of the block at `b` as 32 bytes (signed types: int8; else unsigned 0..31), and the multipliers of
+// the int16 pair sums (Q6_K's scale of each half; else ones).
+template <int64_t QT>
+inline __m256i quants_avx2(const uint8_t* b, int s, __m256i* mul) {
   const __m256i low4 = _mm256_set1_epi8(0xf);
   if constexpr (QT == kQ6_K) {
     const int half = s / 4, t = s % 4;
     const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (t % 2)));
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
-    *d = half_to_float(b + 208);
     *mul = _mm256_set_m128i(_mm_set1_epi16(scales[2 * t + 1]), _mm_set1_epi16(scales[2 * t]));
     const __m256i lowbits = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
     const __m256i highbits =
@@ -317,25 +334,16 @@ inline __m256i decode_avx2(const uint8_t* b, int s, float* d, float* m, __m256i*
   } else {
     *mul = _mm256_set1_epi16(1);
     if constexpr (QT == kQ8_0) {
-      *d = half_to_float(b);
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
     } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
-      *d = half_to_float(b);
-      *m = QT == kQ4_0 ? -8.0f * *d : half_to_float(b + 2);
       return nibbles_16(b + (QT == kQ4_0 ? 2 : 4));
     } else if constexpr (QT == kQ5_0 || QT == kQ5_1) {
       const int head = QT == kQ5_0 ? 2 : 4;
       uint32_t qh;
       std::memcpy(&qh, b + head, sizeof qh);
-      *d = half_to_float(b);
-      *m = QT == kQ5_0 ? -16.0f * *d : half_to_float(b + 2);
       const __m256i high = _mm256_and_si256(bytes_from_bits(qh), _mm256_set1_epi8(0x10));
       return _mm256_or_si256(nibbles_16(b + head + 4), high);
     } else {  // Q4_K, Q5_K
-      int scale, min;
-      scale_min_k4(s, b + 4, &scale, &min);
-      *d = half_to_float(b) * static_cast<float>(scale);
-      *m = -(half_to_float(b + 2) * static_cast<float>(min));
       const __m256i qs =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (QT == kQ4_K ? 16 : 48) + 32 * (s / 2)));
       __m256i v = _mm256_and_si256(s % 2 == 0 ? qs : _mm256_srli_epi16(qs, 4), low4);
@@ -348,6 +356,13 @@ inline __m256i decode_avx2(const uint8_t* b, int s, float* d, float* m, __m256i*
       return v;
     }
   }
+}
+
+// Both: the quants of sub-block s, its d and m.
+template <int64_t QT>
+inline __m256i decode_avx2(const uint8_t* b, int s, float* d, float* m, __m256i* mul) {
+  sub_scales<QT>(b, s, d, m);
+  return quants_avx2<QT>(b, s, mul);
 }
 
 inline float lane_tree_avx2(__m256 v) {
@@ -497,16 +512,18 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    // The 8 rows' d and m of every sub-block of the block first, [sub-block][row]: a K type's block scales are
+    // converted once per block, not once per sub-block.
+    alignas(32) float d[subs][kTileRows], m[subs][kTileRows] = {};
+    for (int c = 0; c < kTileRows; ++c) {
+      for (int s = 0; s < subs; ++s) sub_scales<QT>(rows[c] + b * block_bytes, s, &d[s][c], &m[s][c]);
+    }
     for (int s = 0; s < subs; ++s) {
       const int64_t g = b * subs + s;
       __m256i q[kTileRows], mul[kTileRows];
-      alignas(32) float d[kTileRows], m[kTileRows];
 #pragma GCC unroll 8
-      for (int c = 0; c < kTileRows; ++c) {
-        m[c] = 0.0f;
-        q[c] = decode_avx2<QT>(rows[c] + b * block_bytes, s, &d[c], &m[c], &mul[c]);
-      }
-      const __m256 d8 = _mm256_load_ps(d), m8 = _mm256_load_ps(m);
+      for (int c = 0; c < kTileRows; ++c) q[c] = quants_avx2<QT>(rows[c] + b * block_bytes, s, &mul[c]);
+      const __m256 d8 = _mm256_load_ps(d[s]), m8 = _mm256_load_ps(m[s]);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256i xv =
