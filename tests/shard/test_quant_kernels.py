@@ -64,8 +64,8 @@ def columns_for(qtype: str) -> list[int]:
 @BOTH
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_dequantize_rows_equals_gguf_bitwise(qtype, ops):
-    """Packed for int8 activations, Q4_0 / Q4_1 / Q8_0 rows are interleaved by 8 (43 rows: the last group
-    padded); every row still reads back as the file has it."""
+    """Packed for int8 activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows are interleaved by 8 (43 rows: the
+    last group padded); every row still reads back as the file has it."""
     lib = cpu_kernels.load()
     for columns in columns_for(qtype):
         weight = random_quantized(qtype, 43, columns, seed=columns)

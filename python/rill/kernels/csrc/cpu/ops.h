@@ -127,15 +127,36 @@ struct QuantHeader {
   QuantPart parts[kMaxQuantParts];
 };
 
-// A matrix packed for int8 activations holds its Q4_0, Q4_1 and Q8_0 parts interleaved: each group of 8 rows
-// (the last padded with zero rows) block by block, the 8 rows' float16 d side by side (then their m, Q4_1),
-// then their quants in 4-byte pieces, piece by piece, each piece 8 rows x 4 bytes: the same bytes, so that one
-// vector holds the same 4 inputs' weights of 8 rows. Other parts, and matrices for float32 activations, keep the
-// file's rows.
+// A matrix packed for int8 activations holds its Q4_0, Q4_1, Q8_0, Q4_K and Q6_K parts interleaved: each group
+// of 8 rows (the last padded with zero rows) block by block, each block's regions (below: the float16 scales,
+// the packed 6-bit ones, the quants...) in the file's order, a region cut into units of a few bytes and stored
+// unit by unit, each unit of the 8 rows side by side. The same bytes, so that one vector holds the same unit of
+// 8 rows (a float16 scale each, or 4 bytes of quants: the same 4 inputs' weights). Other parts, and matrices for
+// float32 activations, keep the file's rows.
 constexpr bool quant_interleaved(int64_t qtype, int64_t int8_activations) {
-  return int8_activations != 0 && (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0);
+  return int8_activations != 0 &&
+         (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K);
 }
 constexpr int64_t kInterleavedRows = 8;
+struct QuantRegion {
+  int64_t start, bytes, unit;  // bytes [start, start + bytes) of a block, in units of `unit` bytes
+};
+// Region i of an interleaved type's block ({0, 0, 0} past the last).
+constexpr QuantRegion quant_region(int64_t qtype, int i) {
+  constexpr QuantRegion none{0, 0, 0};
+  switch (qtype) {
+    case kQ4_0: return i == 0 ? QuantRegion{0, 2, 2} : i == 1 ? QuantRegion{2, 16, 4} : none;        // d, qs
+    case kQ4_1: return i < 2 ? QuantRegion{2 * i, 2, 2} : i == 2 ? QuantRegion{4, 16, 4} : none;     // d, m, qs
+    case kQ8_0: return i == 0 ? QuantRegion{0, 2, 2} : i == 1 ? QuantRegion{2, 32, 4} : none;        // d, qs
+    case kQ4_K:  // d, dmin, the 12 bytes of 6-bit scales and mins, qs
+      return i < 2 ? QuantRegion{2 * i, 2, 2} : i == 2 ? QuantRegion{4, 12, 4} : i == 3 ? QuantRegion{16, 128, 4}
+                                                                                         : none;
+    case kQ6_K:  // ql, qh, the 16 int8 scales, d
+      return i == 0 ? QuantRegion{0, 128, 4} : i == 1 ? QuantRegion{128, 64, 4} : i == 2 ? QuantRegion{192, 16, 1}
+           : i == 3 ? QuantRegion{208, 2, 2} : none;
+    default: return none;
+  }
+}
 // The rows a part stores (interleaved: its rows rounded up to a whole group).
 constexpr int64_t quant_stored_rows(int64_t qtype, int64_t int8_activations, int64_t rows) {
   return quant_interleaved(qtype, int8_activations) ? (rows + kInterleavedRows - 1) / kInterleavedRows * kInterleavedRows
@@ -143,12 +164,13 @@ constexpr int64_t quant_stored_rows(int64_t qtype, int64_t int8_activations, int
 }
 // Where byte i of row r of an interleaved part (row_bytes per row) lies, from the part's start.
 constexpr int64_t interleaved_offset(int64_t qtype, int64_t row_bytes, int64_t r, int64_t i) {
-  const int64_t block = quant_block_bytes(qtype), fields = qtype == kQ4_1 ? 2 : 1, lane = r % kInterleavedRows;
+  const int64_t block = quant_block_bytes(qtype), lane = r % kInterleavedRows, t = i % block;
   const int64_t base = r / kInterleavedRows * kInterleavedRows * row_bytes + i / block * kInterleavedRows * block;
-  const int64_t t = i % block;
-  if (t < 2 * fields) return base + kInterleavedRows * 2 * (t / 2) + 2 * lane + t % 2;
-  const int64_t quant = t - 2 * fields;
-  return base + kInterleavedRows * 2 * fields + quant / 4 * 4 * kInterleavedRows + 4 * lane + quant % 4;
+  int region = 0;
+  while (t >= quant_region(qtype, region).start + quant_region(qtype, region).bytes) ++region;
+  const QuantRegion g = quant_region(qtype, region);
+  const int64_t within = t - g.start;
+  return base + kInterleavedRows * (g.start + within / g.unit * g.unit) + lane * g.unit + within % g.unit;
 }
 
 // y [m, n] = x [m, k] @ w^T for float32 x and a quantized matrix w, with float32 activations or (as the matrix

@@ -551,7 +551,7 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
   }
 }
 
-// One group of an interleaved part (ops.h: Q4_0, Q4_1 or Q8_0, 8 rows; `valid` of them real) against R rows of
+// One group of an interleaved Q4_0, Q4_1 or Q8_0 part (ops.h; 8 rows, `valid` of them real) against R rows of
 // int8 x from r0: y[r * ldy + c] for c < valid. A vector of a piece holds 4 inputs of each of the 8 rows, so one
 // maddubs against those 4 inputs of x, broadcast, serves all 8 rows: tile_int8_avx2's sums, without a transpose.
 template <int64_t QT, int R>
@@ -615,13 +615,145 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
   }
 }
 
+// The R accumulators of an interleaved tile, stored: y[r * ldy + c] for c < valid.
+template <int R>
+inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kInterleavedRows];
+    _mm256_store_ps(out, acc[r]);
+    std::memcpy(y + r * ldy, out, valid * sizeof(float));
+  }
+}
+
+// The 8 exact sums of one sub-block: pieces w[0..7] (w[p]: 4 inputs 4p..4p+3 of each of 8 rows, unsigned, at most
+// 15) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
+inline __m256i sums_unsigned4(const __m256i* w, const int32_t* xq) {
+  __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
+#pragma GCC unroll 8
+  for (int p = 1; p < 8; ++p) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 * 2 * 15 * 127 fits int16
+}
+
+// tile_x8_avx2 for Q4_K: per super-block the 8 rows' d and dmin, and the 6-bit scales and mins as three vectors
+// of words (a row's 12 bytes, lane by lane), unpacked for all 8 rows at once with shifts and masks.
+template <int R>
+void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+                      int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(kQ4_K);
+  const int64_t blocks = k / 256;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0xf), six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
+  const __m256i two = _mm256_set1_epi32(3);
+  const __m256 negative = _mm256_set1_ps(-0.0f);
+  for (int64_t sb = 0; sb < blocks; ++sb) {
+    const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
+    const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+    const __m256i w0 = load(32), w1 = load(64), w2 = load(96);  // bytes 0-3, 4-7, 8-11 of the scales
+    for (int pair = 0; pair < 4; ++pair) {
+      __m256i v[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) v[p] = load(128 + (8 * pair + p) * 32);
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * pair + h;  // scale_min_k4, lane by lane
+        __m256i scale, min;
+        if (s < 4) {
+          scale = _mm256_and_si256(_mm256_srli_epi32(w0, 8 * s), six);
+          min = _mm256_and_si256(_mm256_srli_epi32(w1, 8 * s), six);
+        } else {
+          const int u = 8 * (s - 4);
+          scale = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, u), four),
+                                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, u + 6), two), 4));
+          min = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, u + 4), four),
+                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, u + 6), two), 4));
+        }
+        const __m256 d = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(scale));
+        const __m256 m = _mm256_xor_ps(_mm256_mul_ps(dmin8, _mm256_cvtepi32_ps(min)), negative);
+        __m256i w[8];
+#pragma GCC unroll 8
+        for (int p = 0; p < 8; ++p) w[p] = _mm256_and_si256(h == 0 ? v[p] : _mm256_srli_epi16(v[p], 4), low4);
+        const int64_t g = sb * 8 + s;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const auto* xq = reinterpret_cast<const int32_t*>(xr.q.data() + (r0 + r) * k + g * kSub);
+          const int64_t at = xr.at(r0 + r, g);
+          const __m256i isum = sums_unsigned4(w, xq);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xr.dx[at])), acc[r]);
+          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.sx[at]), acc[r]);
+        }
+      }
+    }
+  }
+  store_rows<R>(acc, valid, y, ldy);
+}
+
+// tile_x8_avx2 for Q6_K: a sub-block's quants from 8 pieces of ql and 8 of qh; each half of 16 inputs summed in
+// int16 (4 * 2 * 32 * 127 fits) and multiplied by its 8 rows' int8 scales in vpmaddwd.
+template <int R>
+void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+                      int64_t ldy) {
+  constexpr int64_t block_bytes = quant_block_bytes(kQ6_K);
+  const int64_t blocks = k / 256;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0xf), low2 = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+  for (int64_t sb = 0; sb < blocks; ++sb) {
+    const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
+    const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 * 208)));
+    for (int s = 0; s < 8; ++s) {
+      const int half = s / 4, t = s % 4;
+      __m256i q[8];
+#pragma GCC unroll 8
+      for (int p = 0; p < 8; ++p) {
+        const __m256i ql = load((16 * half + 8 * (t % 2) + p) * 32);
+        const __m256i qh = load(8 * 128 + (8 * half + p) * 32);
+        const __m256i lowbits = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        const __m256i highbits = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), low2);
+        q[p] = _mm256_sub_epi8(_mm256_or_si256(lowbits, _mm256_slli_epi16(highbits, 4)), offset);
+      }
+      // The 8 rows' scales of inputs 0-15 and 16-31, each row's twice (its two int16 lanes).
+      __m256i scales[2];
+      for (int i = 0; i < 2; ++i) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * 192 + (8 * half + 2 * t + i) * 8));
+        const __m128i words = _mm_cvtepi8_epi16(bytes);
+        scales[i] = _mm256_set_m128i(_mm_unpackhi_epi16(words, words), _mm_unpacklo_epi16(words, words));
+      }
+      const int64_t g = sb * 8 + s;
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const auto* xq = reinterpret_cast<const int32_t*>(xr.q.data() + (r0 + r) * k + g * kSub);
+        __m256i isum = _mm256_setzero_si256();
+        for (int i = 0; i < 2; ++i) {
+          __m256i pairs = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int p = 4 * i; p < 4 * i + 4; ++p) {
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), q[p]);
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), xs));
+          }
+          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, scales[i]));
+        }
+        const int64_t at = xr.at(r0 + r, g);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
+      }
+    }
+  }
+  store_rows<R>(acc, valid, y, ldy);
+}
+
 template <int64_t QT, int R>
 void tile_int8_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int valid, int64_t k,
                          const QuantizedRows& xq, int64_t r0, float* y, int64_t ldy) {
   if constexpr (R > 1) {
     if (rows < R) return tile_int8_rows_avx2<QT, R - 1>(rows, w, row_bytes, valid, k, xq, r0, y, ldy);
   }
-  if constexpr (quant_interleaved(QT, 1)) {
+  if constexpr (QT == kQ4_K) {
+    tile_q4k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy);
+  } else if constexpr (QT == kQ6_K) {
+    tile_q6k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy);
+  } else if constexpr (quant_interleaved(QT, 1)) {
     tile_x8_avx2<QT, R>(w, valid, k, xq, r0, y, ldy);
   } else {
     tile_int8_avx2<QT, R>(w, row_bytes, valid, k, xq, r0, y, ldy);
