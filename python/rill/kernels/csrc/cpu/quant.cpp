@@ -491,6 +491,25 @@ void tile_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int64_t k, co
   tile_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
 }
 
+// The R accumulators of an int8 tile, stored: y[r * ldy + c] for c < valid.
+template <int R>
+inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kInterleavedRows];
+    _mm256_store_ps(out, acc[r]);
+    std::memcpy(y + r * ldy, out, valid * sizeof(float));
+  }
+}
+
+// The 8 exact sums of one sub-block: pieces w[0..7] (w[p]: 4 inputs 4p..4p+3 of each of 8 rows, unsigned, at most
+// 15) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
+inline __m256i sums_unsigned4(const __m256i* w, const int32_t* xq) {
+  __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
+#pragma GCC unroll 8
+  for (int p = 1; p < 8; ++p) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 * 2 * 15 * 127 fits int16
+}
+
 // Eight int32 vectors -> one: lane c is the sum of p[c]'s eight lanes (integers: any order gives the same sum).
 inline __m256i sum_lanes8(const __m256i* p) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -499,14 +518,17 @@ inline __m256i sum_lanes8(const __m256i* p) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// kTileRows weight rows (`row_bytes` apart; `valid` of them real, the others repeat the last) against R rows of
-// int8 x from r0: y[r * ldy + c] for c < valid. Per sub-block the eight rows' exact integer sums against one row
-// of x are one vector, converted and multiplied by the eight d * dx at once (each lane the scalar operations).
+// kTileRows weight rows of a type kept row by row (Q5_0, Q5_1, Q5_K: `row_bytes` apart; `valid` of them real, the
+// others repeat the last) against R rows of int8 x from r0: y[r * ldy + c] for c < valid. Per sub-block the eight
+// rows' exact integer sums against one row of x are one vector, converted and multiplied by the eight d * dx at
+// once (each lane the scalar operations).
 template <int64_t QT, int R>
 void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, const QuantizedRows& xr, int64_t r0,
                     float* y, int64_t ldy) {
+  static_assert(!kSigned<QT> && !quant_interleaved(QT, 1), "the interleaved types have tiles of their own");
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>;
+  const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* rows[kTileRows];
   for (int c = 0; c < kTileRows; ++c) rows[c] = w + std::min(c, valid - 1) * row_bytes;
   __m256 acc[R];
@@ -520,9 +542,9 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
     }
     for (int s = 0; s < subs; ++s) {
       const int64_t g = b * subs + s;
-      __m256i q[kTileRows], mul[kTileRows];
+      __m256i q[kTileRows], mul;
 #pragma GCC unroll 8
-      for (int c = 0; c < kTileRows; ++c) q[c] = quants_avx2<QT>(rows[c] + b * block_bytes, s, &mul[c]);
+      for (int c = 0; c < kTileRows; ++c) q[c] = quants_avx2<QT>(rows[c] + b * block_bytes, s, &mul);
       const __m256 d8 = _mm256_load_ps(d[s]), m8 = _mm256_load_ps(m[s]);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -530,25 +552,15 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (r0 + r) * k + g * kSub));
         __m256i p[kTileRows];
 #pragma GCC unroll 8
-        for (int c = 0; c < kTileRows; ++c) {
-          // maddubs multiplies unsigned bytes by signed ones: a signed weight gives its magnitude and moves its
-          // sign onto x.
-          const __m256i magnitude = kSigned<QT> ? _mm256_sign_epi8(q[c], q[c]) : q[c];
-          const __m256i xs = kSigned<QT> ? _mm256_sign_epi8(xv, q[c]) : xv;
-          p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), mul[c]);
-        }
+        for (int c = 0; c < kTileRows; ++c) p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), ones);
         const int64_t at = xr.at(r0 + r, g);
         const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(p)), scale, acc[r]);
-        if constexpr (kHasMin<QT>) acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float out[kTileRows];
-    _mm256_store_ps(out, acc[r]);
-    std::memcpy(y + r * ldy, out, valid * sizeof(float));
-  }
+  store_rows<R>(acc, valid, y, ldy);
 }
 
 // One group of an interleaved Q4_0, Q4_1 or Q8_0 part (ops.h; 8 rows, `valid` of them real) against R rows of
@@ -595,43 +607,15 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
           const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[p], w[p]), xs);
           isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
         }
-      } else {  // 0..15 times -127..127: the eight pieces' pair sums stay within int16 (8 * 2 * 15 * 127)
-        __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
-#pragma GCC unroll 8
-        for (int p = 1; p < 8; ++p) {  // w[p] holds inputs 4p..4p+3, as xq[p] does
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
-        }
-        isum = _mm256_madd_epi16(pairs, ones);
+      } else {
+        isum = sums_unsigned4(w, xq);
       }
       const int64_t at = xr.at(r0 + r, g);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
       if constexpr (kHasMin<QT>) acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float out[kInterleavedRows];
-    _mm256_store_ps(out, acc[r]);
-    std::memcpy(y + r * ldy, out, valid * sizeof(float));
-  }
-}
-
-// The R accumulators of an interleaved tile, stored: y[r * ldy + c] for c < valid.
-template <int R>
-inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float out[kInterleavedRows];
-    _mm256_store_ps(out, acc[r]);
-    std::memcpy(y + r * ldy, out, valid * sizeof(float));
-  }
-}
-
-// The 8 exact sums of one sub-block: pieces w[0..7] (w[p]: 4 inputs 4p..4p+3 of each of 8 rows, unsigned, at most
-// 15) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
-inline __m256i sums_unsigned4(const __m256i* w, const int32_t* xq) {
-  __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
-#pragma GCC unroll 8
-  for (int p = 1; p < 8; ++p) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 * 2 * 15 * 127 fits int16
+  store_rows<R>(acc, valid, y, ldy);
 }
 
 // tile_x8_avx2 for Q4_K: per super-block the 8 rows' d and dmin, and the 6-bit scales and mins as three vectors
