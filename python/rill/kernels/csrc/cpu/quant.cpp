@@ -358,13 +358,6 @@ inline __m256i quants_avx2(const uint8_t* b, int s, __m256i* mul) {
   }
 }
 
-// Both: the quants of sub-block s, its d and m.
-template <int64_t QT>
-inline __m256i decode_avx2(const uint8_t* b, int s, float* d, float* m, __m256i* mul) {
-  sub_scales<QT>(b, s, d, m);
-  return quants_avx2<QT>(b, s, mul);
-}
-
 inline float lane_tree_avx2(__m256 v) {
   const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l_i + l_{i+4}
   const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                                  // a_i + a_{i+2}
@@ -392,6 +385,35 @@ inline void widen_avx2(__m256i q, __m256i mul, __m256* out) {
   }
 }
 
+// The 32 weights q of sub-block s of the block at `b` as four vectors of 8 floats (inputs 0-7, 8-15, 16-23,
+// 24-31): widen_avx2 of quants_avx2, except for the 4-bit types, whose bytes are widened straight from memory
+// and split into nibbles as int32s (fewer instructions; the same values).
+template <int64_t QT>
+inline void weights_f32_avx2(const uint8_t* b, int s, __m256* out) {
+  const __m256i low4 = _mm256_set1_epi32(0xf);
+  const auto bytes8 = [](const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  };
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {  // byte i: input i in its low nibble, 16 + i in its high one
+    const uint8_t* qs = b + (QT == kQ4_0 ? 2 : 4);
+    const __m256i first = bytes8(qs), second = bytes8(qs + 8);
+    out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(first, low4));
+    out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(second, low4));
+    out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4));
+    out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4));
+  } else if constexpr (QT == kQ4_K) {  // byte i: input i of sub-block s, in the low nibble for an even s
+    const uint8_t* qs = b + 16 + 32 * (s / 2);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = bytes8(qs + 8 * j);
+      out[j] = _mm256_cvtepi32_ps(s % 2 == 0 ? _mm256_and_si256(v, low4) : _mm256_srli_epi32(v, 4));
+    }
+  } else {
+    __m256i mul;
+    const __m256i q = quants_avx2<QT>(b, s, &mul);
+    widen_avx2<QT>(q, mul, out);
+  }
+}
+
 // C weight rows (`row_bytes` apart) against R rows of float32 x: y[r * ldy + c]. Each (r, c) has its own
 // chains; C > 1 serves small batches, whose single chain per output would otherwise wait on its own latency.
 template <int64_t QT, int R, int C>
@@ -415,9 +437,8 @@ void tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, const QuantizedRo
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         m[c] = 0.0f;
-        __m256i mul;
-        const __m256i q = decode_avx2<QT>(w + c * row_bytes + b * block_bytes, s, &d[c], &m[c], &mul);
-        widen_avx2<QT>(q, mul, wf[c]);
+        sub_scales<QT>(w + c * row_bytes + b * block_bytes, s, &d[c], &m[c]);
+        weights_f32_avx2<QT>(w + c * row_bytes + b * block_bytes, s, wf[c]);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -458,13 +479,12 @@ void tile8_avx2(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0
     for (int s = 0; s < subs; ++s) {
       const int64_t g = b * subs + s;
       float d, m = 0.0f;
-      __m256i mul;
-      const __m256i q = decode_avx2<QT>(w + b * block_bytes, s, &d, &m, &mul);
+      sub_scales<QT>(w + b * block_bytes, s, &d, &m);
       if constexpr (kHasMin<QT>) {
         macc = _mm256_fmadd_ps(_mm256_set1_ps(m), _mm256_loadu_ps(sx8 + g * kTileRows), macc);
       }
       __m256 wf[4];
-      widen_avx2<QT>(q, mul, wf);
+      weights_f32_avx2<QT>(w + b * block_bytes, s, wf);
       const __m256 scale = _mm256_set1_ps(d);
 #pragma GCC unroll 8
       for (int r = 0; r < kTileRows; ++r) {
