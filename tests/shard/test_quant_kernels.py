@@ -124,16 +124,17 @@ def test_rows_do_not_depend_on_the_batch_threads_or_path(qtype, ops):
 
 @BOTH
 def test_mixed_parts_are_their_products_side_by_side(ops):
-    """A fused q/k/v of a Q4_K_M file mixes types: each part's columns are its own product, bitwise."""
-    parts = [random_quantized("Q4_K", 64, 512, 1), random_quantized("Q6_K", 32, 512, 2),
-             random_quantized("Q4_K", 32, 512, 3)]  # fmt: skip
+    """A fused q/k/v of a Q4_K_M file mixes types: each part's columns are its own product, bitwise (row
+    counts that leave an interleaved part's last group short, and a Q5_K part kept row by row)."""
+    parts = [random_quantized("Q4_K", 60, 512, 1), random_quantized("Q6_K", 29, 512, 2),
+             random_quantized("Q5_K", 39, 512, 3)]  # fmt: skip
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
     fused = ops.linear(x, ops.pack_quantized(parts), 128)
     alone = torch.cat([ops.linear(x, ops.pack_quantized([part]), part.shape[0]) for part in parts], dim=1)
     assert torch.equal(fused, alone)
-    ids = torch.tensor([0, 63, 64, 95, 96, 127])
+    ids = torch.tensor([0, 59, 60, 88, 89, 127])
     assert torch.equal(
-        OPS.dequantize_rows(OPS.pack_quantized(parts), ids), torch.cat([dequantize(p) for p in parts])[ids]
+        ops.dequantize_rows(ops.pack_quantized(parts), ids), torch.cat([dequantize(p) for p in parts])[ids]
     )
 
 
