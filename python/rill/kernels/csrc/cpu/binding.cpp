@@ -406,9 +406,7 @@ void pack_quantized(at::Tensor out, const std::vector<std::tuple<int64_t, at::Te
     }
     at::parallel_for(0, rows[p], 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        for (int64_t i = 0; i < row_bytes; ++i) {
-          to[rill_cpu::interleaved_offset(qtypes[p], row_bytes, r, i)] = from[r * row_bytes + i];
-        }
+        rill_cpu::copy_interleaved_row(qtypes[p], row_bytes, r, from + r * row_bytes, to, false);
       }
     });
   }
@@ -429,9 +427,7 @@ at::Tensor quant_file_rows(const at::Tensor& packed, int64_t p) {
     return out;
   }
   for (int64_t r = 0; r < part.rows; ++r) {
-    for (int64_t i = 0; i < row_bytes; ++i) {
-      to[r * row_bytes + i] = from[rill_cpu::interleaved_offset(part.qtype, row_bytes, r, i)];
-    }
+    rill_cpu::copy_interleaved_row(part.qtype, row_bytes, r, from, to + r * row_bytes, true);
   }
   return out;
 }

@@ -173,6 +173,11 @@ constexpr int64_t interleaved_offset(int64_t qtype, int64_t row_bytes, int64_t r
   return base + kInterleavedRows * (g.start + within / g.unit * g.unit) + lane * g.unit + within % g.unit;
 }
 
+// Row r of an interleaved part, unit by unit: from the file's bytes of the row (row_bytes at `from`) into the part
+// (its start at `to`), or, `to_file`, from the part (its start at `from`) back to the file's bytes at `to`.
+void copy_interleaved_row(int64_t qtype, int64_t row_bytes, int64_t r, const uint8_t* from, uint8_t* to,
+                          bool to_file);
+
 // y [m, n] = x [m, k] @ w^T for float32 x and a quantized matrix w, with float32 activations or (as the matrix
 // says) int8 ones quantized per row in blocks of 32; a fixed float order per output (quant.cpp), so a row's bits
 // do not depend on m nor the threads. `portable` runs the plain C++ path (bitwise equal to the AVX2 one).

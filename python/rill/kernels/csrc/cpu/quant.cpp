@@ -803,7 +803,7 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
   for (int64_t j = w_begin; j < w_end; ++j) {
     const uint8_t* w = part + j * row_bytes;
     if (!file_row.empty()) {  // an interleaved part, portable path: the row as the file holds it
-      for (int64_t i = 0; i < row_bytes; ++i) file_row[i] = part[interleaved_offset(QT, row_bytes, j, i)];
+      copy_interleaved_row(QT, row_bytes, j, part, file_row.data(), true);
       w = file_row.data();
     }
     for (int64_t r = r_begin; r < r_end; r += kTileRows) {
@@ -844,6 +844,20 @@ void dispatch_qtype(int64_t qtype, F&& f) {
 }
 
 }  // namespace
+
+void copy_interleaved_row(int64_t qtype, int64_t row_bytes, int64_t r, const uint8_t* from, uint8_t* to,
+                          bool to_file) {
+  const int64_t block = quant_block_bytes(qtype);
+  for (int64_t b = 0; b < row_bytes; b += block) {
+    for (int i = 0; quant_region(qtype, i).bytes != 0; ++i) {
+      const QuantRegion g = quant_region(qtype, i);
+      for (int64_t u = b + g.start; u < b + g.start + g.bytes; u += g.unit) {
+        const int64_t in_part = interleaved_offset(qtype, row_bytes, r, u);
+        std::memcpy(to + (to_file ? u : in_part), from + (to_file ? in_part : u), g.unit);
+      }
+    }
+  }
+}
 
 bool has_avx2_quant() {
 #if defined(RILL_QUANT_AVX2)
@@ -907,9 +921,8 @@ void dequantize_rows(const uint8_t* packed, const int64_t* rows, int64_t num_row
                          std::vector<uint8_t> file_row;
                          if (quant_interleaved(QT, header.int8_activations)) {
                            file_row.resize(blocks * bytes);
-                           for (int64_t j = 0; j < blocks * bytes; ++j) {
-                             file_row[j] = packed[part.offset + interleaved_offset(QT, blocks * bytes, row, j)];
-                           }
+                           copy_interleaved_row(QT, blocks * bytes, row, packed + part.offset, file_row.data(),
+                                                true);
                            w = file_row.data();
                          }
                          for (int64_t b = 0; b < blocks; ++b) {
