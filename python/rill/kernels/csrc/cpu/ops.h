@@ -159,8 +159,8 @@ constexpr QuantRegion quant_region(int64_t qtype, int i) {
 }
 // The rows a part stores (interleaved: its rows rounded up to a whole group).
 constexpr int64_t quant_stored_rows(int64_t qtype, int64_t int8_activations, int64_t rows) {
-  return quant_interleaved(qtype, int8_activations) ? (rows + kInterleavedRows - 1) / kInterleavedRows * kInterleavedRows
-                                                    : rows;
+  const int64_t groups = (rows + kInterleavedRows - 1) / kInterleavedRows;
+  return quant_interleaved(qtype, int8_activations) ? groups * kInterleavedRows : rows;
 }
 // Where byte i of row r of an interleaved part (row_bytes per row) lies, from the part's start.
 constexpr int64_t interleaved_offset(int64_t qtype, int64_t row_bytes, int64_t r, int64_t i) {

@@ -9,11 +9,11 @@
 //   lanes s_l = x_l q_l + x_{8+l} q_{8+l} + x_{16+l} q_{16+l} + x_{24+l} q_{24+l} (a multiply, then fused
 //   multiply-adds), acc_l = fma(s_l, d, acc_l), and the min term m * sum(x of the sub-block) in a chain of its own.
 // - int8 activations (llama.cpp's way, fewer instructions per weight): each row of x quantized on its own, in
-//   blocks of 32, to int8 with one float scale dx = max|x| / 127 (q_x = round-half-even(x / dx)); per sub-block
-//   the exact integer sum isum = sum_i q_i q_x,i (no int16 saturation is possible for these value ranges, and
-//   |isum| < 2^24, so float(isum) is exact too), then acc = fma(float(isum), d * dx, acc) and, for the types with
-//   a min, acc = fma(m, dx * sum(q_x), acc): one chain per output. An integer sum has one value whatever the
-//   order of its additions, so each path adds its products the way its registers make cheapest.
+//   blocks of 32, to int8 with one float scale dx = max|x| / 127 (q_x = round-half-even(x * (1 / dx))); per
+//   sub-block the exact integer sum isum = sum_i q_i q_x,i (no int16 saturation is possible for these value
+//   ranges, and |isum| < 2^24, so float(isum) is exact too), then acc = fma(float(isum), d * dx, acc) and, for
+//   the types with a min, acc = fma(m, dx * sum(q_x), acc): one chain per output. An integer sum has one value
+//   whatever the order of its additions, so each path adds its products the way its registers make cheapest.
 //
 // Either way every output is computed one fixed way, whatever the row count, the tile or the thread: the chains
 // over the sub-blocks in order (float: then a fixed tree over the eight lanes and the min chain). So a row's bits
@@ -23,10 +23,11 @@
 // Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
 // times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A float
 // tile is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile; a whole
-// tile reads its rows' block scales and sums as vectors), or, for a batch of one or two rows, kWeightRows weight
-// rows at once (independent chains, x loaded once). An int8 tile is kTileRows weight rows against up to
-// kInt8Rows rows of x: the eight rows' integer sums of a sub-block become one vector, so one conversion and one
-// fused multiply-add advance eight outputs.
+// tile reads its rows' block sums as a vector), or, for a batch of one or two rows, kWeightRows weight rows at
+// once (independent chains, x loaded once). An int8 tile is kTileRows weight rows (one group of an interleaved
+// part, ops.h; or rows decoded one by one, for the Q5 types) against up to kInt8Rows rows of x: the eight rows'
+// integer sums of a sub-block become one vector, so one conversion and one fused multiply-add advance eight
+// outputs.
 
 #include <ATen/Parallel.h>
 
@@ -511,6 +512,9 @@ void tile_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int64_t k, co
   tile_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
 }
 
+// Where region i of a block of an interleaved type starts in a group's block (ops.h: the 8 rows' regions before it).
+constexpr int64_t region_at(int64_t qtype, int i) { return kInterleavedRows * quant_region(qtype, i).start; }
+
 // The R accumulators of an int8 tile, stored: y[r * ldy + c] for c < valid.
 template <int R>
 inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
@@ -589,7 +593,7 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
 template <int64_t QT, int R>
 void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
                   int64_t ldy) {
-  constexpr int64_t block_bytes = quant_block_bytes(QT), fields = QT == kQ4_1 ? 2 : 1;
+  constexpr int64_t block_bytes = quant_block_bytes(QT);
   constexpr int pieces = QT == kQ8_0 ? 8 : 4;  // 32-byte vectors of quants per block of 8 rows
   const int64_t blocks = k / kSub;
   __m256 acc[R];
@@ -597,11 +601,13 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
   const __m256i low4 = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* b = group + g * kInterleavedRows * block_bytes;
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));  // region 0: d
     __m256 m8 = _mm256_setzero_ps();
     if constexpr (QT == kQ4_0) m8 = _mm256_mul_ps(_mm256_set1_ps(-8.0f), d8);
-    if constexpr (QT == kQ4_1) m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
-    const auto* quants = reinterpret_cast<const __m256i*>(b + 2 * kInterleavedRows * fields);
+    if constexpr (QT == kQ4_1) {  // region 1: m
+      m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(QT, 1))));
+    }
+    const auto* quants = reinterpret_cast<const __m256i*>(b + region_at(QT, QT == kQ4_1 ? 2 : 1));
     // Q4: piece p holds inputs 4p..4p+3 in its low nibbles, 16+4p..16+4p+3 in its high ones; Q8_0: 4p..4p+3.
     // w[p]: the weights of inputs 4p..4p+3.
     __m256i w[8];
@@ -654,12 +660,13 @@ void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
     const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
     const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-    const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
-    const __m256i w0 = load(32), w1 = load(64), w2 = load(96);  // bytes 0-3, 4-7, 8-11 of the scales
+    const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(kQ4_K, 1))));
+    const int64_t scales = region_at(kQ4_K, 2);  // bytes 0-3, 4-7, 8-11 of the scales: 3 units
+    const __m256i w0 = load(scales), w1 = load(scales + 32), w2 = load(scales + 64);
     for (int pair = 0; pair < 4; ++pair) {
       __m256i v[8];
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) v[p] = load(128 + (8 * pair + p) * 32);
+      for (int p = 0; p < 8; ++p) v[p] = load(region_at(kQ4_K, 3) + (8 * pair + p) * 32);
       for (int h = 0; h < 2; ++h) {
         const int s = 2 * pair + h;  // scale_min_k4, lane by lane
         __m256i scale, min;
@@ -706,14 +713,14 @@ void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
   for (int64_t sb = 0; sb < blocks; ++sb) {
     const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
     const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8 * 208)));
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(kQ6_K, 3))));
     for (int s = 0; s < 8; ++s) {
       const int half = s / 4, t = s % 4;
       __m256i q[8];
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
-        const __m256i ql = load((16 * half + 8 * (t % 2) + p) * 32);
-        const __m256i qh = load(8 * 128 + (8 * half + p) * 32);
+        const __m256i ql = load(region_at(kQ6_K, 0) + (16 * half + 8 * (t % 2) + p) * 32);
+        const __m256i qh = load(region_at(kQ6_K, 1) + (8 * half + p) * 32);
         const __m256i lowbits = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
         const __m256i highbits = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), low2);
         q[p] = _mm256_sub_epi8(_mm256_or_si256(lowbits, _mm256_slli_epi16(highbits, 4)), offset);
@@ -721,7 +728,8 @@ void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
       // The 8 rows' scales of inputs 0-15 and 16-31, each row's twice (its two int16 lanes).
       __m256i scales[2];
       for (int i = 0; i < 2; ++i) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * 192 + (8 * half + 2 * t + i) * 8));
+        const int64_t index = 8 * half + 2 * t + i;  // of the 16 scales; the 8 rows' side by side
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + region_at(kQ6_K, 2) + 8 * index));
         const __m128i words = _mm_cvtepi8_epi16(bytes);
         scales[i] = _mm256_set_m128i(_mm_unpackhi_epi16(words, words), _mm_unpacklo_epi16(words, words));
       }
