@@ -515,6 +515,16 @@ void tile_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int64_t k, co
 // Where region i of a block of an interleaved type starts in a group's block (ops.h: the 8 rows' regions before it).
 constexpr int64_t region_at(int64_t qtype, int i) { return kInterleavedRows * quant_region(qtype, i).start; }
 
+// The lines `bytes` long at kPrefetchAhead bytes past `p`, requested ahead of their use: a group's blocks are
+// read in order, so the next few are. Only the first tile of rows of x over a group (`stream`) asks: the others
+// find the group in cache.
+constexpr int64_t kPrefetchAhead = 2048;
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead + line), _MM_HINT_T0);
+  }
+}
+
 // The R accumulators of an int8 tile, stored: y[r * ldy + c] for c < valid.
 template <int R>
 inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
@@ -592,7 +602,7 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
 // maddubs against those 4 inputs of x, broadcast, serves all 8 rows: tile_int8_avx2's sums, without a transpose.
 template <int64_t QT, int R>
 void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
-                  int64_t ldy) {
+                  int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(QT);
   constexpr int pieces = QT == kQ8_0 ? 8 : 4;  // 32-byte vectors of quants per block of 8 rows
   const int64_t blocks = k / kSub;
@@ -601,6 +611,7 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
   const __m256i low4 = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* b = group + g * kInterleavedRows * block_bytes;
+    if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));  // region 0: d
     __m256 m8 = _mm256_setzero_ps();
     if constexpr (QT == kQ4_0) m8 = _mm256_mul_ps(_mm256_set1_ps(-8.0f), d8);
@@ -648,7 +659,7 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
 // of words (a row's 12 bytes, lane by lane), unpacked for all 8 rows at once with shifts and masks.
 template <int R>
 void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
-                      int64_t ldy) {
+                      int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(kQ4_K);
   const int64_t blocks = k / 256;
   __m256 acc[R];
@@ -658,6 +669,7 @@ void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
   const __m256 negative = _mm256_set1_ps(-0.0f);
   for (int64_t sb = 0; sb < blocks; ++sb) {
     const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
+    if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
     const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
     const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(kQ4_K, 1))));
@@ -704,7 +716,7 @@ void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
 // int16 (4 * 2 * 32 * 127 fits) and multiplied by its 8 rows' int8 scales in vpmaddwd.
 template <int R>
 void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
-                      int64_t ldy) {
+                      int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(kQ6_K);
   const int64_t blocks = k / 256;
   __m256 acc[R];
@@ -712,6 +724,7 @@ void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
   const __m256i low4 = _mm256_set1_epi8(0xf), low2 = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
   for (int64_t sb = 0; sb < blocks; ++sb) {
     const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
+    if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
     const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(kQ6_K, 3))));
     for (int s = 0; s < 8; ++s) {
@@ -757,16 +770,16 @@ void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
 
 template <int64_t QT, int R>
 void tile_int8_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int valid, int64_t k,
-                         const QuantizedRows& xq, int64_t r0, float* y, int64_t ldy) {
+                         const QuantizedRows& xq, int64_t r0, float* y, int64_t ldy, bool stream) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_int8_rows_avx2<QT, R - 1>(rows, w, row_bytes, valid, k, xq, r0, y, ldy);
+    if (rows < R) return tile_int8_rows_avx2<QT, R - 1>(rows, w, row_bytes, valid, k, xq, r0, y, ldy, stream);
   }
   if constexpr (QT == kQ4_K) {
-    tile_q4k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy);
+    tile_q4k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy, stream);
   } else if constexpr (QT == kQ6_K) {
-    tile_q6k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy);
+    tile_q6k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy, stream);
   } else if constexpr (quant_interleaved(QT, 1)) {
-    tile_x8_avx2<QT, R>(w, valid, k, xq, r0, y, ldy);
+    tile_x8_avx2<QT, R>(w, valid, k, xq, r0, y, ldy, stream);
   } else {
     tile_int8_avx2<QT, R>(w, row_bytes, valid, k, xq, r0, y, ldy);
   }
@@ -788,7 +801,7 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
       for (int64_t r = r_begin; r < r_end; r += kInt8Rows) {
         const int rows = static_cast<int>(std::min<int64_t>(kInt8Rows, r_end - r));
         tile_int8_rows_avx2<QT, kInt8Rows>(rows, part + j * row_bytes, row_bytes, valid, k, xq, r,
-                                           y + r * ldy + column + j, ldy);
+                                           y + r * ldy + column + j, ldy, r == r_begin);
       }
     }
     return;
@@ -894,8 +907,13 @@ void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m
     int64_t column = 0;
     for (int64_t p = 0; p < header.num_parts; ++p) {
       const int64_t rows = header.parts[p].rows;
-      for (int64_t j = 0; j < rows; j += kWeightChunk) {
-        tasks.push_back({p, j, std::min(rows, j + kWeightChunk), r, std::min(m, r + row_block), column});
+      // One block of rows (a decode step): each weight byte is read once, so a task streams a long run of rows
+      // (about 4 tasks a thread); prefill: short chunks, each kept in cache while the row tiles pass over it.
+      const int64_t chunk = num_row_blocks > 1 ? kWeightChunk
+                          : std::max(kWeightChunk, (rows + 4 * num_threads - 1) / (4 * num_threads) /
+                                                       kWeightChunk * kWeightChunk);
+      for (int64_t j = 0; j < rows; j += chunk) {
+        tasks.push_back({p, j, std::min(rows, j + chunk), r, std::min(m, r + row_block), column});
       }
       column += rows;
     }
