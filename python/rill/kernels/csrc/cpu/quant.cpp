@@ -792,7 +792,6 @@ template <int64_t QT>
 void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& xq, int64_t r_begin, int64_t r_end,
                int64_t w_begin, int64_t w_end, float* y, int64_t ldy, int64_t column, bool portable) {
   const int64_t row_bytes = k / kBlockElems<QT> * quant_block_bytes(QT);
-  std::vector<uint8_t> file_row(quant_interleaved(QT, int8) ? row_bytes : 0);
 #if defined(RILL_QUANT_AVX2)
   if (!portable && int8) {
     static_assert(kTileRows == kInterleavedRows, "an int8 tile's weight rows are one interleaved group");
@@ -821,6 +820,8 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
     return;
   }
 #endif
+  // The portable path (and the float tiles past the AVX2 branches above), a weight row at a time.
+  std::vector<uint8_t> file_row(quant_interleaved(QT, int8) ? row_bytes : 0);
   for (int64_t j = w_begin; j < w_end; ++j) {
     const uint8_t* w = part + j * row_bytes;
     if (!file_row.empty()) {  // an interleaved part, portable path: the row as the file holds it
