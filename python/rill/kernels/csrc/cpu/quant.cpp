@@ -109,18 +109,34 @@ constexpr bool kHasMin = !kSigned<QT>;
 template <int64_t QT>
 constexpr int64_t kBlockElems = (QT == kQ4_K || QT == kQ5_K || QT == kQ6_K) ? 256 : 32;
 
+// The scale d and min m of sub-block s of the block at `b` (w = d * q + m; m untouched for the types without).
+template <int64_t QT>
+inline void sub_scales(const uint8_t* b, int s, float* d, float* m) {
+  if constexpr (QT == kQ6_K) {
+    *d = half_to_float(b + 208);
+  } else if constexpr (QT == kQ8_0) {
+    *d = half_to_float(b);
+  } else if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
+    *d = half_to_float(b);
+    *m = QT == kQ4_0 ? -8.0f * *d : QT == kQ5_0 ? -16.0f * *d : half_to_float(b + 2);
+  } else {  // Q4_K, Q5_K
+    int scale, min;
+    scale_min_k4(s, b + 4, &scale, &min);
+    *d = half_to_float(b) * static_cast<float>(scale);
+    *m = -(half_to_float(b + 2) * static_cast<float>(min));
+  }
+}
+
 // Sub-block s (0 .. kBlockElems / 32) of the block at `b`, portable.
 template <int64_t QT>
 void decode(const uint8_t* b, int s, SubBlock* out) {
   out->scale16[0] = out->scale16[1] = 1;
   out->m = 0.0f;
+  sub_scales<QT>(b, s, &out->d, &out->m);
   if constexpr (QT == kQ8_0) {
-    out->d = half_to_float(b);
     std::memcpy(out->q, b + 2, kSub);
   } else if constexpr (QT == kQ4_0 || QT == kQ4_1) {
     const uint8_t* qs = b + (QT == kQ4_0 ? 2 : 4);
-    out->d = half_to_float(b);
-    out->m = QT == kQ4_0 ? -8.0f * out->d : half_to_float(b + 2);
     for (int i = 0; i < 16; ++i) {
       out->q[i] = static_cast<int8_t>(qs[i] & 0xf);
       out->q[i + 16] = static_cast<int8_t>(qs[i] >> 4);
@@ -130,20 +146,13 @@ void decode(const uint8_t* b, int s, SubBlock* out) {
     uint32_t qh;
     std::memcpy(&qh, b + head, sizeof qh);
     const uint8_t* qs = b + head + 4;
-    out->d = half_to_float(b);
-    out->m = QT == kQ5_0 ? -16.0f * out->d : half_to_float(b + 2);
     for (int i = 0; i < 16; ++i) {
       out->q[i] = static_cast<int8_t>((qs[i] & 0xf) | (((qh >> i) & 1u) << 4));
       out->q[i + 16] = static_cast<int8_t>((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4));
     }
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    const uint8_t* scales = b + 4;
-    const uint8_t* qh = b + 16;                                 // Q5_K only
+    const uint8_t* qh = b + 16;  // Q5_K only
     const uint8_t* qs = b + (QT == kQ4_K ? 16 : 48) + 32 * (s / 2);
-    int scale, min;
-    scale_min_k4(s, scales, &scale, &min);
-    out->d = half_to_float(b) * static_cast<float>(scale);
-    out->m = -(half_to_float(b + 2) * static_cast<float>(min));
     for (int i = 0; i < kSub; ++i) {
       int v = s % 2 == 0 ? (qs[i] & 0xf) : (qs[i] >> 4);
       if constexpr (QT == kQ5_K) v |= ((qh[i] >> s) & 1) << 4;
@@ -154,7 +163,6 @@ void decode(const uint8_t* b, int s, SubBlock* out) {
     const uint8_t* ql = b + 64 * half + 32 * (t % 2);
     const uint8_t* qh = b + 128 + 32 * half;
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * half);
-    out->d = half_to_float(b + 208);
     out->scale16[0] = scales[2 * t];
     out->scale16[1] = scales[2 * t + 1];
     for (int i = 0; i < kSub; ++i) {
@@ -188,7 +196,8 @@ void dequantize_block(const uint8_t* b, float* out) {
 // x as the tiles read it: float32 rows as they are, with sx = the sum of each block of 32 (in order); or, for
 // int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q). dx and sx are laid out in
 // groups of kTileRows rows, block-major within a group ([m / kTileRows][blocks][kTileRows], rows past m zero),
-// so a tile of kTileRows rows reads a block's eight values as one vector; `at` finds one row's.
+// so a float tile of kTileRows rows reads a block's eight sums as one vector (dx, read a row at a time, shares
+// the layout); `at` finds one row's.
 struct QuantizedRows {
   const float* x;
   int64_t blocks;
@@ -297,24 +306,6 @@ inline __m256i bytes_from_bits(uint32_t bits) {
   // Every bit set but bit i % 8 of byte i: the byte is all ones exactly when that bit was set.
   return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
                            _mm256_set1_epi64x(-1));
-}
-
-// The scale d and min m of sub-block s of the block at `b` (w = d * q + m; m untouched for the types without).
-template <int64_t QT>
-inline void sub_scales(const uint8_t* b, int s, float* d, float* m) {
-  if constexpr (QT == kQ6_K) {
-    *d = half_to_float(b + 208);
-  } else if constexpr (QT == kQ8_0) {
-    *d = half_to_float(b);
-  } else if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0 || QT == kQ5_1) {
-    *d = half_to_float(b);
-    *m = QT == kQ4_0 ? -8.0f * *d : QT == kQ5_0 ? -16.0f * *d : half_to_float(b + 2);
-  } else {  // Q4_K, Q5_K
-    int scale, min;
-    scale_min_k4(s, b + 4, &scale, &min);
-    *d = half_to_float(b) * static_cast<float>(scale);
-    *m = -(half_to_float(b + 2) * static_cast<float>(min));
-  }
 }
 
 // Sub-block s of the block at `b` as 32 bytes (signed types: int8; else unsigned 0..31), and the multipliers of
