@@ -190,6 +190,7 @@ def test_shard_command(model_dir: Path) -> None:
         "--kv-block-size", "32",
         "--kv-cache-dtype", "int8",
         "--otlp-endpoint", "http://c:4318",
+        "--quantized-activations", "float32",
     )  # fmt: skip
     assert launcher.shard_command(config, Path("/run/x/shard-0.sock"), 0) == [
         sys.executable, "-m", "rill.shard.server",
@@ -200,13 +201,15 @@ def test_shard_command(model_dir: Path) -> None:
         "--rank", "0",
         "--world-size", "1",
         "--attention-backend", "auto",
+        "--quantized-activations", "float32",
         "--kv-block-size", "32",
         "--kv-cache-dtype", "int8",
         "--num-threads", "2",
         "--otlp-endpoint", "http://c:4318",
     ]  # fmt: skip
     default = launcher.shard_command(parse(model_dir), Path("/s"), 0)
-    assert "--kv-block-size" not in default and "--kv-cache-dtype" not in default, "the shard's defaults"
+    shard_defaults = {"--kv-block-size", "--kv-cache-dtype", "--quantized-activations"}
+    assert not shard_defaults & set(default), "the shard's defaults are not passed"
 
 
 def test_a_draft_model_gets_one_shard_of_its_own(model_dir: Path, tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 - `dequantize_rows` equals the `gguf` package's numpy de-quantization bitwise, also from a matrix whose rows
   are interleaved (packed for int8 activations).
-- `linear` on a quantized matrix, with float32 activations or int8 ones (`CpuOps(int8_activations=True)`),
+- `linear` on a quantized matrix, with float32 activations or int8 or int16 ones (`CpuOps(activations=...)`),
   equals `rill.kernels.quant.reference_linear` (x, or x quantized per row as the kernels do, times the
   de-quantized weight, in float64) within float32 rounding of its sums.
 - A row's bits do not depend on the batch (1 to 600 rows), the thread count, nor the path (the portable C++
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 from rill.kernels import cpu as cpu_kernels
-from rill.kernels.quant import QTYPES, QuantizedTensor, dequantize, quantize, reference_linear
+from rill.kernels.quant import ACTIVATIONS, QTYPES, QuantizedTensor, dequantize, quantize, reference_linear
 
-OPS = cpu_kernels.CpuOps()
-INT8 = cpu_kernels.CpuOps(int8_activations=True)
-BOTH = pytest.mark.parametrize("ops", [OPS, INT8], ids=["float-activations", "int8-activations"])
+ALL = pytest.mark.parametrize(
+    "ops", [cpu_kernels.CpuOps(activations) for activations in ACTIVATIONS], ids=lambda ops: ops.activations
+)
 # Byte offsets of each block's float16 fields: (scale fields, min fields); the rest are quants and int scales.
 HALF_FIELDS = {
     "Q4_0": ([0], []),
@@ -61,11 +61,11 @@ def columns_for(qtype: str) -> list[int]:
     return [256, 1536] if QTYPES[qtype][1] == 256 else [64, 576, 1536]
 
 
-@BOTH
+@ALL
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_dequantize_rows_equals_gguf_bitwise(qtype, ops):
-    """Packed for int8 activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows are interleaved by 8 (43 rows: the
-    last group padded); every row still reads back as the file has it."""
+    """Packed for integer activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows are interleaved by 8 (43 rows:
+    the last group padded); every row still reads back as the file has it."""
     lib = cpu_kernels.load()
     for columns in columns_for(qtype):
         weight = random_quantized(qtype, 43, columns, seed=columns)
@@ -77,7 +77,7 @@ def test_dequantize_rows_equals_gguf_bitwise(qtype, ops):
         assert torch.equal(lib.quant_file_rows(packed, 0), weight.data)
 
 
-@BOTH
+@ALL
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_linear_matches_its_exact_value(qtype, ops):
     for columns in columns_for(qtype):
@@ -85,7 +85,7 @@ def test_linear_matches_its_exact_value(qtype, ops):
         packed = ops.pack_quantized([weight])
         x = torch.randn(33, columns, generator=torch.Generator().manual_seed(columns))
         y = ops.linear(x, packed, 70)
-        expected = reference_linear(x, [weight], ops.int8_activations)
+        expected = reference_linear(x, [weight], ops.activations)
         assert y.dtype == torch.float32 and y.shape == (33, 70)
         # float32 sums of exact integer block products: within a few float32 roundings of the sum of the
         # terms' magnitudes.
@@ -94,17 +94,24 @@ def test_linear_matches_its_exact_value(qtype, ops):
         assert error <= 1e-6, error
 
 
+@pytest.mark.parametrize(("activations", "bound"), [("int8", 0.02), ("int16", 1e-4)])
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
-def test_int8_activations_stay_close_to_the_float_product(qtype):
-    """The price of int8 activations: against x (unquantized) times the de-quantized weight."""
+def test_integer_activations_stay_close_to_the_float_product(qtype, activations, bound):
+    """The price of integer activations: against x (unquantized) times the de-quantized weight; int16's is
+    below bfloat16 activations' own (x rounded to bfloat16 first)."""
     weight = random_quantized(qtype, 64, 1536, seed=5)
     x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(6))
     exact = x.double() @ dequantize(weight).double().T
-    y = INT8.linear(x, INT8.pack_quantized([weight]), 64)
-    assert ((y.double() - exact).norm() / exact.norm()).item() < 0.02
+    ops = cpu_kernels.CpuOps(activations)
+    y = ops.linear(x, ops.pack_quantized([weight]), 64)
+    error = ((y.double() - exact).norm() / exact.norm()).item()
+    assert error < bound, error
+    if activations == "int16":
+        bfloat16 = x.bfloat16().double() @ dequantize(weight).double().T
+        assert error < ((bfloat16 - exact).norm() / exact.norm()).item() / 10
 
 
-@BOTH
+@ALL
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_rows_do_not_depend_on_the_batch_threads_or_path(qtype, ops):
     columns = columns_for(qtype)[-1]
@@ -122,7 +129,7 @@ def test_rows_do_not_depend_on_the_batch_threads_or_path(qtype, ops):
     assert torch.equal(lib.quantized_linear(x[:40], packed, portable=True), full[:40])
 
 
-@BOTH
+@ALL
 def test_mixed_parts_are_their_products_side_by_side(ops):
     """A fused q/k/v of a Q4_K_M file mixes types: each part's columns are its own product, bitwise (row
     counts that leave an interleaved part's last group short, and a Q5_K part kept row by row)."""
@@ -138,7 +145,7 @@ def test_mixed_parts_are_their_products_side_by_side(ops):
     )
 
 
-@BOTH
+@ALL
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
 def test_packed_matrix_holds_the_file_bytes_and_no_more(qtype, ops):
     weight = random_quantized(qtype, 960, 1536, seed=3)
@@ -159,16 +166,17 @@ def test_quantize_round_trips_within_the_type_step(qtype):
 
 def test_bad_matrices_are_refused():
     weight = random_quantized("Q8_0", 4, 64, seed=1)
-    packed = OPS.pack_quantized([weight])
+    ops = cpu_kernels.CpuOps()
+    packed = ops.pack_quantized([weight])
     with pytest.raises(RuntimeError, match="float32"):
-        OPS.linear(torch.randn(2, 64).bfloat16(), packed, 4)
+        ops.linear(torch.randn(2, 64).bfloat16(), packed, 4)
     with pytest.raises(RuntimeError, match=r"\[M, 64\]"):
-        OPS.linear(torch.randn(2, 32), packed, 4)
+        ops.linear(torch.randn(2, 32), packed, 4)
     with pytest.raises(RuntimeError, match="outside"):
-        OPS.dequantize_rows(packed, torch.tensor([4]))
+        ops.dequantize_rows(packed, torch.tensor([4]))
     corrupted = packed.clone()
     corrupted[0] ^= 1
     with pytest.raises(RuntimeError, match="magic"):
-        OPS.linear(torch.randn(2, 64), corrupted, 4)
+        ops.linear(torch.randn(2, 64), corrupted, 4)
     with pytest.raises(ValueError, match="multiples of 256"):
         QuantizedTensor("Q4_K", torch.zeros(1, 144, dtype=torch.uint8), 128)

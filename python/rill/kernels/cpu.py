@@ -26,7 +26,7 @@ import torch
 
 from rill.kernels.extension import KernelSources, load_extension
 from rill.kernels.ops import AttentionMetadata, KernelOps, run_fused_add_rms_norm
-from rill.kernels.quant import QuantizedTensor
+from rill.kernels.quant import ACTIVATIONS, QuantizedTensor
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # -ffp-contract=off: no implicit fused multiply-adds, so each product rounds where the torch reference rounds;
@@ -80,15 +80,18 @@ def load(verbose: bool = False) -> ModuleType:
 
 
 class CpuOps(KernelOps):
-    """Every op of `KernelOps`, optional ones included, on the CPU. `int8_activations`: quantized weights are
-    multiplied with activations quantized to int8 per row (llama.cpp's way: faster, less exact) rather than
-    float32 ones (the file's quality)."""
+    """Every op of `KernelOps`, optional ones included, on the CPU. `activations` (`quant.ACTIVATIONS`):
+    what quantized weights multiply: float32 activations, or activations quantized per row to int8
+    (llama.cpp's way: fastest, least exact) or to int16 (close to float32: each input within 1 / 64516 of its
+    block's largest, finer than bfloat16; nearly as fast as int8 at one row)."""
 
     name = "cpu"
     kv_cache_dtypes = ("auto", "int8")
 
-    def __init__(self, int8_activations: bool = False) -> None:
-        self.int8_activations = int8_activations
+    def __init__(self, activations: str = "float32") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.activations = activations
 
     def unavailable_reason(self) -> str | None:
         if sources().is_built():
@@ -207,9 +210,9 @@ class CpuOps(KernelOps):
         """In x's dtype (the packed weight's): the same bits for a row in a batch of 1 or 1000 and on any
         number of threads. float32: one fused multiply-add per input, in order; bfloat16: one AVX512-BF16 pair
         product per two inputs into a float32 sum, rounded to bfloat16 once. A quantized weight (uint8, from
-        `pack_quantized`) multiplies float32 x with the same invariance, x as it is or (`int8_activations`)
-        quantized per row to int8 blocks of 32 as llama.cpp does (quant.cpp;
-        `rill.kernels.quant.reference_linear` gives the exact value of either)."""
+        `pack_quantized`) multiplies float32 x with the same invariance, x as it is or (`activations`)
+        quantized per row to int8 or int16 blocks of 32 (quant.cpp; `rill.kernels.quant.reference_linear`
+        gives the exact value of each)."""
         if packed.dtype == torch.uint8:
             return load().linear(x, packed, out_features)
         if packed.dtype not in linear_dtypes():
@@ -218,18 +221,17 @@ class CpuOps(KernelOps):
 
     def pack_quantized(self, parts: list[QuantizedTensor]) -> torch.Tensor:
         """One uint8 buffer in huge pages: a header, then each part's blocks, the file's bytes and no more
-        (64-byte alignment aside; packed for int8 activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K parts hold
+        (64-byte alignment aside; packed for integer activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K parts hold
         8 rows interleaved, the last group padded with zero rows: `ops.h`, "Quantized matrices")."""
         lib = load()
         columns = {part.columns for part in parts}
         if len(columns) != 1:
             raise ValueError(f"the parts of a quantized weight must have the same columns, got {columns}")
         qtypes, rows = [p.type_number for p in parts], [p.shape[0] for p in parts]
-        size = lib.quant_packed_bytes(qtypes, rows, parts[0].columns, self.int8_activations)
+        code = ACTIVATIONS.index(self.activations)  # ops.h, QuantActivations
+        size = lib.quant_packed_bytes(qtypes, rows, parts[0].columns, code)
         packed = empty_huge_pages((size,), torch.uint8)
-        lib.pack_quantized(
-            packed, [(p.type_number, p.data) for p in parts], parts[0].columns, self.int8_activations
-        )
+        lib.pack_quantized(packed, [(p.type_number, p.data) for p in parts], parts[0].columns, code)
         return packed
 
     def dequantize_rows(self, packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

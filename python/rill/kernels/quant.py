@@ -26,7 +26,12 @@ QTYPES: dict[str, tuple[int, int, int]] = {
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
 }
-ACTIVATION_BLOCK = 32  # inputs per int8 activation block (one float scale each)
+ACTIVATION_BLOCK = 32  # inputs per integer activation block (one float scale each)
+# What quantized weights multiply (the kernels' code for each is its index): x as it is, or x quantized per
+# row in blocks of 32 to int8 (llama.cpp's way) or to int16 (two int8 digits; an input's error at most
+# 1 / 64516 of its block's largest).
+ACTIVATIONS = ("float32", "int8", "int16")
+ACTIVATION_LEVELS = {"int8": 127, "int16": 127 * 254}  # the largest |q| of a block
 
 
 @dataclass(frozen=True)
@@ -82,25 +87,25 @@ def quantize(weight: torch.Tensor, qtype: str) -> QuantizedTensor:
     return QuantizedTensor(qtype, torch.from_numpy(np.ascontiguousarray(data)), weight.shape[1])
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the kernels do to each row of float32 x [rows, k] before the product: blocks of 32 inputs, scale d
-    = max|x| / 127, q = round-half-even(x * (1 / d)) (0 where d is 0). Returns q (float32 integers, [rows, k])
-    and d [rows, k / 32]."""
+def quantize_activations(x: torch.Tensor, activations: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels do to each row of float32 x [rows, k] before the product with integer `activations`:
+    blocks of 32 inputs, scale d = max|x| / levels (127, or 127 * 254 for int16), q = round-half-even(x * (1 /
+    d)) (0 where d is 0). Returns q (float32 integers, [rows, k]) and d [rows, k / 32]."""
     blocks = x.reshape(x.shape[0], -1, ACTIVATION_BLOCK)
-    d = blocks.abs().amax(dim=-1) / 127.0
+    d = blocks.abs().amax(dim=-1) / float(ACTIVATION_LEVELS[activations])
     inverse = torch.where(d != 0, 1.0 / torch.where(d != 0, d, 1.0), 0.0)
     q = torch.round(blocks * inverse.unsqueeze(-1))
     return q.reshape(x.shape), d
 
 
-def reference_linear(x: torch.Tensor, parts: list[QuantizedTensor], int8_activations: bool) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, parts: list[QuantizedTensor], activations: str) -> torch.Tensor:
     """x @ w^T as the kernels define it, in float64: x (or x quantized per row, `quantize_activations`) times
     the de-quantized weight. The kernels compute this sum in float32 (lane chains of fused multiply-adds per
-    output; with int8 activations over exact integer block sums), so they differ from it by float32 rounding
-    only."""
+    output; with integer activations over exact integer block sums), so they differ from it by float32
+    rounding only."""
     x_used = x.double()
-    if int8_activations:
-        q, d = quantize_activations(x.float())
+    if activations != "float32":
+        q, d = quantize_activations(x.float(), activations)
         x_used = (q.double().reshape(x.shape[0], -1, ACTIVATION_BLOCK) * d.double().unsqueeze(-1)).reshape(
             x.shape
         )

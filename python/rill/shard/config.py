@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
+from rill.kernels.quant import ACTIVATIONS as QUANTIZED_ACTIVATIONS
 from rill.shard.memory import CGROUP_ROOT
 
 # `--quantize`: the types float weights may be quantized to at load (llama.cpp's, by its names).
 QUANTIZE_TYPES = ("q8_0", "q4_0")
-QUANTIZED_ACTIVATIONS = ("float32", "int8")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -59,7 +59,7 @@ class ShardConfig:
     max_loras: int = 0
     max_lora_rank: int = 16
     quantize: str | None = None  # a QUANTIZE_TYPES type: float weights quantized at load (CPU, one rank)
-    quantized_activations: str = "float32"  # what quantized weights multiply: float32 or int8 activations
+    quantized_activations: str = "int16"  # what quantized weights multiply: QUANTIZED_ACTIVATIONS
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

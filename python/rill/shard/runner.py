@@ -155,9 +155,7 @@ class ModelRunner:
         if requested == "torch":
             return None
         ops: KernelOps = (
-            GpuOps()
-            if self.device.type == "cuda"
-            else CpuOps(int8_activations=self.config.quantized_activations == "int8")
+            GpuOps() if self.device.type == "cuda" else CpuOps(activations=self.config.quantized_activations)
         )
         if self.config.kv_cache_dtype not in ops.kv_cache_dtypes:
             raise ValueError(

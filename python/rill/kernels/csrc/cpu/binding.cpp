@@ -312,13 +312,14 @@ rill_cpu::QuantHeader quant_header(const at::Tensor& packed, const char* what) {
   TORCH_CHECK(header.magic == rill_cpu::kQuantMagic, what, " is not a quantized matrix (bad magic)");
   TORCH_CHECK(header.num_parts >= 1 && header.num_parts <= rill_cpu::kMaxQuantParts, what, " has ",
               header.num_parts, " parts");
-  TORCH_CHECK(header.int8_activations == 0 || header.int8_activations == 1, what, " is malformed");
+  TORCH_CHECK(header.activations >= rill_cpu::kActFloat32 && header.activations <= rill_cpu::kActInt16, what,
+              " is malformed");
   int64_t rows = 0;
   for (int64_t p = 0; p < header.num_parts; ++p) {
     const rill_cpu::QuantPart& part = header.parts[p];
     const int64_t elems = rill_cpu::quant_block_elems(part.qtype);
     TORCH_CHECK(elems != 0 && header.k % elems == 0 && part.rows >= 0 && part.offset >= 0 &&
-                    part.offset + rill_cpu::quant_stored_rows(part.qtype, header.int8_activations, part.rows) *
+                    part.offset + rill_cpu::quant_stored_rows(part.qtype, header.activations, part.rows) *
                                           (header.k / elems) * rill_cpu::quant_block_bytes(part.qtype) <=
                         packed.numel(),
                 what, ": part ", p, " is malformed");
@@ -345,10 +346,12 @@ void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t n, int
 // The bytes of a quantized matrix of these parts (types and row counts) for K inputs: the header, then each
 // part 64-byte aligned. Also fills the header's parts when given one.
 int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k,
-                     rill_cpu::QuantHeader* header, bool int8_activations) {
+                     rill_cpu::QuantHeader* header, int64_t activations) {
   TORCH_CHECK(!qtypes.empty() && qtypes.size() == rows.size() &&
                   qtypes.size() <= static_cast<size_t>(rill_cpu::kMaxQuantParts),
               "a quantized matrix has 1 to ", rill_cpu::kMaxQuantParts, " parts, each a type and a row count");
+  TORCH_CHECK(activations >= rill_cpu::kActFloat32 && activations <= rill_cpu::kActInt16,
+              "activations must be 0 (float32), 1 (int8) or 2 (int16), got ", activations);
   int64_t offset = 64 * ((static_cast<int64_t>(sizeof(rill_cpu::QuantHeader)) + 63) / 64), n = 0;
   for (size_t p = 0; p < qtypes.size(); ++p) {
     const int64_t elems = rill_cpu::quant_block_elems(qtypes[p]);
@@ -356,7 +359,7 @@ int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64
     TORCH_CHECK(k > 0 && k % elems == 0, "K = ", k, " is not a multiple of the type's block of ", elems);
     TORCH_CHECK(rows[p] >= 0, "a part's row count must be >= 0");
     if (header != nullptr) header->parts[p] = {qtypes[p], rows[p], offset};
-    const int64_t stored = rill_cpu::quant_stored_rows(qtypes[p], int8_activations, rows[p]);
+    const int64_t stored = rill_cpu::quant_stored_rows(qtypes[p], activations, rows[p]);
     offset += 64 * ((stored * (k / elems) * rill_cpu::quant_block_bytes(qtypes[p]) + 63) / 64);
     n += rows[p];
   }
@@ -365,27 +368,27 @@ int64_t quant_layout(const std::vector<int64_t>& qtypes, const std::vector<int64
     header->n = n;
     header->k = k;
     header->num_parts = static_cast<int64_t>(qtypes.size());
-    header->int8_activations = int8_activations ? 1 : 0;
+    header->activations = activations;
   }
   return offset;
 }
 
 int64_t quant_packed_bytes(const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t k,
-                           bool int8_activations) {
-  return quant_layout(qtypes, rows, k, nullptr, int8_activations);
+                           int64_t activations) {
+  return quant_layout(qtypes, rows, k, nullptr, activations);
 }
 
 // Writes the quantized matrix of `parts` ((ggml type, uint8 [rows, row bytes]) each, in row order) into `out`,
-// to be multiplied with int8 or float32 activations.
+// to be multiplied with `activations` (ops.h, QuantActivations).
 void pack_quantized(at::Tensor out, const std::vector<std::tuple<int64_t, at::Tensor>>& parts, int64_t k,
-                    bool int8_activations) {
+                    int64_t activations) {
   std::vector<int64_t> qtypes, rows;
   for (const auto& [qtype, data] : parts) {
     qtypes.push_back(qtype);
     rows.push_back(data.dim() == 2 ? data.size(0) : -1);
   }
   rill_cpu::QuantHeader header{};
-  const int64_t bytes = quant_layout(qtypes, rows, k, &header, int8_activations);
+  const int64_t bytes = quant_layout(qtypes, rows, k, &header, activations);
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kByte && out.dim() == 1 && out.is_contiguous() &&
                   out.numel() == bytes,
               "out must be a contiguous uint8 buffer of ", bytes, " bytes");
@@ -400,7 +403,7 @@ void pack_quantized(at::Tensor out, const std::vector<std::tuple<int64_t, at::Te
     const at::Tensor contiguous = data.contiguous();
     const auto* from = contiguous.const_data_ptr<uint8_t>();
     uint8_t* to = base + header.parts[p].offset;
-    if (!rill_cpu::quant_interleaved(qtypes[p], int8_activations)) {
+    if (!rill_cpu::quant_interleaved(qtypes[p], activations)) {
       std::memcpy(to, from, rows[p] * row_bytes);
       continue;
     }
@@ -422,7 +425,7 @@ at::Tensor quant_file_rows(const at::Tensor& packed, int64_t p) {
   auto out = at::empty({part.rows, row_bytes}, at::TensorOptions().dtype(at::kByte));
   const uint8_t* from = packed.const_data_ptr<uint8_t>() + part.offset;
   uint8_t* to = out.data_ptr<uint8_t>();
-  if (!rill_cpu::quant_interleaved(part.qtype, header.int8_activations)) {
+  if (!rill_cpu::quant_interleaved(part.qtype, header.activations)) {
     std::memcpy(to, from, part.rows * row_bytes);
     return out;
   }

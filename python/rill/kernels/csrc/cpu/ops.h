@@ -118,23 +118,26 @@ struct QuantPart {
   int64_t rows;
   int64_t offset;  // bytes from the start of the buffer
 };
+// What a quantized matrix multiplies (quant.cpp): x as it is, or x quantized per row in blocks of 32 to int8, or
+// to int16 (held as two int8 digits, so that the int8 product serves it).
+enum QuantActivations : int64_t { kActFloat32 = 0, kActInt8 = 1, kActInt16 = 2 };
 struct QuantHeader {
   int64_t magic;
   int64_t n;
   int64_t k;
   int64_t num_parts;
-  int64_t int8_activations;  // 1: x is quantized to int8 per row for the product; 0: x stays float32
+  int64_t activations;  // what x becomes for the product: QuantActivations
   QuantPart parts[kMaxQuantParts];
 };
 
-// A matrix packed for int8 activations holds its Q4_0, Q4_1, Q8_0, Q4_K and Q6_K parts interleaved: each group
+// A matrix packed for integer activations holds its Q4_0, Q4_1, Q8_0, Q4_K and Q6_K parts interleaved: each group
 // of 8 rows (the last padded with zero rows) block by block, each block's regions (below: the float16 scales,
 // the packed 6-bit ones, the quants...) in the file's order, a region cut into units of a few bytes and stored
 // unit by unit, each unit of the 8 rows side by side. The same bytes, so that one vector holds the same unit of
 // 8 rows (a float16 scale each, or 4 bytes of quants: the same 4 inputs' weights). Other parts, and matrices for
 // float32 activations, keep the file's rows.
-constexpr bool quant_interleaved(int64_t qtype, int64_t int8_activations) {
-  return int8_activations != 0 &&
+constexpr bool quant_interleaved(int64_t qtype, int64_t activations) {
+  return activations != kActFloat32 &&
          (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K);
 }
 constexpr int64_t kInterleavedRows = 8;
@@ -158,9 +161,9 @@ constexpr QuantRegion quant_region(int64_t qtype, int i) {
   }
 }
 // The rows a part stores (interleaved: its rows rounded up to a whole group).
-constexpr int64_t quant_stored_rows(int64_t qtype, int64_t int8_activations, int64_t rows) {
+constexpr int64_t quant_stored_rows(int64_t qtype, int64_t activations, int64_t rows) {
   const int64_t groups = (rows + kInterleavedRows - 1) / kInterleavedRows;
-  return quant_interleaved(qtype, int8_activations) ? groups * kInterleavedRows : rows;
+  return quant_interleaved(qtype, activations) ? groups * kInterleavedRows : rows;
 }
 // Where byte i of row r of an interleaved part (row_bytes per row) lies, from the part's start.
 constexpr int64_t interleaved_offset(int64_t qtype, int64_t row_bytes, int64_t r, int64_t i) {
@@ -179,8 +182,9 @@ void copy_interleaved_row(int64_t qtype, int64_t row_bytes, int64_t r, const uin
                           bool to_file);
 
 // y [m, n] = x [m, k] @ w^T for float32 x and a quantized matrix w, with float32 activations or (as the matrix
-// says) int8 ones quantized per row in blocks of 32; a fixed float order per output (quant.cpp), so a row's bits
-// do not depend on m nor the threads. `portable` runs the plain C++ path (bitwise equal to the AVX2 one).
+// says) int8 or int16 ones quantized per row in blocks of 32; a fixed float order per output (quant.cpp), so a
+// row's bits do not depend on m nor the threads. `portable` runs the plain C++ path (bitwise equal to the AVX2
+// one).
 void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m, int64_t k, int64_t n,
                       int num_threads, bool portable = false);
 // out [num_rows, k] = rows `rows` of the quantized matrix, de-quantized as ggml does.

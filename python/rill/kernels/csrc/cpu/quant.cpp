@@ -2,8 +2,8 @@
 // they are, and rows of w de-quantized for an embedding lookup.
 //
 // A weight sub-block of 32 inputs decodes to 32 small integers q with a float scale d and min m (the weight is
-// d * q + m, m = 0 for the types without one; Q6_K's integer scale per 16 inputs goes into q). Two ways to
-// multiply it, chosen per matrix when it is packed (QuantHeader::int8_activations):
+// d * q + m, m = 0 for the types without one; Q6_K's integer scale per 16 inputs goes into q). Three ways to
+// multiply it, chosen per matrix when it is packed (QuantHeader::activations):
 //
 // - float activations (the file's quality, no rounding beyond float32 sums): per sub-block and row, eight float
 //   lanes s_l = x_l q_l + x_{8+l} q_{8+l} + x_{16+l} q_{16+l} + x_{24+l} q_{24+l} (a multiply, then fused
@@ -14,6 +14,11 @@
 //   ranges, and |isum| < 2^24, so float(isum) is exact too), then acc = fma(float(isum), d * dx, acc) and, for
 //   the types with a min, acc = fma(m, dx * sum(q_x), acc): one chain per output. An integer sum has one value
 //   whatever the order of its additions, so each path adds its products the way its registers make cheapest.
+// - int16 activations (close to the float product, at under half its instructions): the same with
+//   dx = max|x| / (127 * 254), so |q_x| <= 32258, written as two int8 digits q_x = 254 * hi + lo (|hi| <= 127,
+//   -127 <= lo <= 126). The int8 product runs once per digit (the weights unpacked once) and the block's sum
+//   is fma(float(isum_hi), 254, float(isum_lo)), then as above. An input's error is at most dx / 2, 1 / 64516
+//   of its block's largest: finer than bfloat16's rounding of the input itself.
 //
 // Either way every output is computed one fixed way, whatever the row count, the tile or the thread: the chains
 // over the sub-blocks in order (float: then a fixed tree over the eight lanes and the min chain). So a row's bits
@@ -194,48 +199,59 @@ void dequantize_block(const uint8_t* b, float* out) {
 }
 
 // x as the tiles read it: float32 rows as they are, with sx = the sum of each block of 32 (in order); or, for
-// int8 activations, q [m, k] int8 with each block's scale dx and sx = dx * sum(q). dx and sx are laid out in
-// groups of kTileRows rows, block-major within a group ([m / kTileRows][blocks][kTileRows], rows past m zero),
-// so a float tile of kTileRows rows reads a block's eight sums as one vector (dx, read a row at a time, shares
-// the layout); `at` finds one row's.
+// integer activations, q [m, k] int8 (int16: the high digits, lo the low ones) with each block's scale dx and
+// sx = dx * sum(q_x). dx and sx are laid out in groups of kTileRows rows, block-major within a group
+// ([m / kTileRows][blocks][kTileRows], rows past m zero), so a float tile of kTileRows rows reads a block's
+// eight sums as one vector (dx, read a row at a time, shares the layout); `at` finds one row's.
 struct QuantizedRows {
   const float* x;
   int64_t blocks;
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, lo;
   std::vector<float> dx, sx;
 
   // Where block g of row r is in dx and sx.
   int64_t at(int64_t r, int64_t g) const { return (r / kTileRows * blocks + g) * kTileRows + r % kTileRows; }
 };
 
-void prepare_rows(const float* x, int64_t m, int64_t k, bool int8, QuantizedRows* out, int num_threads) {
+constexpr int kDigit = 254;  // the base of int16 activations' two digits
+
+void prepare_rows(const float* x, int64_t m, int64_t k, int64_t activations, QuantizedRows* out, int num_threads) {
   const int64_t blocks = k / kSub, grouped = (m + kTileRows - 1) / kTileRows * kTileRows * blocks;
+  const bool wide = activations == kActInt16;
   out->x = x;
   out->blocks = blocks;
   out->sx.resize(grouped);
-  if (int8) {
+  if (activations != kActFloat32) {
     out->q.resize(m * k);
+    out->lo.resize(wide ? m * k : 0);
     out->dx.resize(grouped);
   }
   at::parallel_for(0, m * blocks, num_threads > 1 && m * k >= (1 << 16) ? 256 : m * blocks + 1,
                    [&](int64_t begin, int64_t end) {
                      for (int64_t i = begin; i < end; ++i) {
                        const float* v = x + (i / blocks) * k + (i % blocks) * kSub;
-                       if (!int8) {
+                       if (activations == kActFloat32) {
                          float sum = 0.0f;
                          for (int j = 0; j < kSub; ++j) sum += v[j];
                          out->sx[out->at(i / blocks, i % blocks)] = sum;
                          continue;
                        }
-                       int8_t* q = out->q.data() + (i / blocks) * k + (i % blocks) * kSub;
+                       const int64_t offset = (i / blocks) * k + (i % blocks) * kSub;
                        float amax = 0.0f;
                        for (int j = 0; j < kSub; ++j) amax = std::max(amax, std::fabs(v[j]));
-                       const float d = amax / 127.0f;
+                       const float d = amax / (wide ? 127.0f * kDigit : 127.0f);
                        const float id = d != 0.0f ? 1.0f / d : 0.0f;
                        int sum = 0;
                        for (int j = 0; j < kSub; ++j) {
-                         q[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
-                         sum += q[j];
+                         const int q = static_cast<int>(std::nearbyint(v[j] * id));
+                         sum += q;
+                         if (!wide) {
+                           out->q[offset + j] = static_cast<int8_t>(q);
+                           continue;
+                         }
+                         const int hi = (q + kDigit / 2 + kDigit * 128) / kDigit - 128;  // round(q / 254)
+                         out->q[offset + j] = static_cast<int8_t>(hi);
+                         out->lo[offset + j] = static_cast<int8_t>(q - kDigit * hi);
                        }
                        out->dx[out->at(i / blocks, i % blocks)] = d;
                        out->sx[out->at(i / blocks, i % blocks)] = d * static_cast<float>(sum);
@@ -250,9 +266,9 @@ inline float lane_tree(const float* l) {
   return b0 + b1;
 }
 
-// One weight row (its blocks at `w`) against `rows` rows of x starting at row r0 (float32 x, or with Int8 the
-// rows' int8 blocks): y[i * ldy].
-template <int64_t QT, bool Int8>
+// One weight row (its blocks at `w`) against `rows` rows of x starting at row r0 (float32 x, or the rows'
+// integer blocks as Act says): y[i * ldy].
+template <int64_t QT, int64_t Act>
 void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t r0, int rows, float* y,
                    int64_t ldy) {
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
@@ -263,17 +279,20 @@ void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t
       SubBlock sub;
       decode<QT>(w + b * block_bytes, s, &sub);
       float q[kSub];
-      if constexpr (!Int8) {
+      if constexpr (Act == kActFloat32) {
         for (int e = 0; e < kSub; ++e) q[e] = static_cast<float>(sub.q[e] * sub.scale16[e / 16]);
       }
       const int64_t g = b * subs + s;
       for (int r = 0; r < rows; ++r) {
-        if constexpr (Int8) {  // one chain, acc[r][0]
-          const int8_t* xv = xr.q.data() + (r0 + r) * k + g * kSub;
-          const int64_t at = xr.at(r0 + r, g);
-          int32_t isum = 0;
-          for (int e = 0; e < kSub; ++e) isum += sub.q[e] * xv[e] * sub.scale16[e / 16];
-          acc[r][0] = std::fmaf(static_cast<float>(isum), sub.d * xr.dx[at], acc[r][0]);
+        if constexpr (Act != kActFloat32) {  // one chain, acc[r][0]
+          const int64_t offset = (r0 + r) * k + g * kSub, at = xr.at(r0 + r, g);
+          const auto isum = [&](const std::vector<int8_t>& xq) {
+            int32_t sum = 0;
+            for (int e = 0; e < kSub; ++e) sum += sub.q[e] * xq[offset + e] * sub.scale16[e / 16];
+            return static_cast<float>(sum);
+          };
+          const float sum = Act == kActInt16 ? std::fmaf(isum(xr.q), kDigit, isum(xr.lo)) : isum(xr.q);
+          acc[r][0] = std::fmaf(sum, sub.d * xr.dx[at], acc[r][0]);
           if constexpr (kHasMin<QT>) acc[r][0] = std::fmaf(sub.m, xr.sx[at], acc[r][0]);
         } else {
           const float* xv = xr.x + (r0 + r) * k + g * kSub;
@@ -287,7 +306,7 @@ void tile_portable(const uint8_t* w, int64_t k, const QuantizedRows& xr, int64_t
       }
     }
   }
-  for (int r = 0; r < rows; ++r) y[r * ldy] = Int8 ? acc[r][0] : lane_tree(acc[r]) + macc[r];
+  for (int r = 0; r < rows; ++r) y[r * ldy] = Act != kActFloat32 ? acc[r][0] : lane_tree(acc[r]) + macc[r];
 }
 
 #if defined(RILL_QUANT_AVX2)
@@ -543,14 +562,24 @@ inline __m256i sum_lanes8(const __m256i* p) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// The 8 lanes' sums of one sub-block against one row of x whose int8 inputs start at `offset` of xr.q:
+// float(sums(inputs)), or with Wide (int16 activations) fma(float(sums(high digits)), 254, float(sums(low
+// digits))). sums(const int8_t*) gives the 8 exact integer sums against 32 int8 inputs.
+template <bool Wide, typename Sums>
+inline __m256 digit_sums(const QuantizedRows& xr, int64_t offset, const Sums& sums) {
+  const __m256 hi = _mm256_cvtepi32_ps(sums(xr.q.data() + offset));
+  if constexpr (!Wide) return hi;
+  return _mm256_fmadd_ps(hi, _mm256_set1_ps(kDigit), _mm256_cvtepi32_ps(sums(xr.lo.data() + offset)));
+}
+
 // kTileRows weight rows of a type kept row by row (Q5_0, Q5_1, Q5_K: `row_bytes` apart; `valid` of them real, the
-// others repeat the last) against R rows of int8 x from r0: y[r * ldy + c] for c < valid. Per sub-block the eight
-// rows' exact integer sums against one row of x are one vector, converted and multiplied by the eight d * dx at
-// once (each lane the scalar operations).
-template <int64_t QT, int R>
+// others repeat the last) against R rows of integer x from r0: y[r * ldy + c] for c < valid. Per sub-block the
+// eight rows' exact integer sums against one row of x are one vector, converted and multiplied by the eight
+// d * dx at once (each lane the scalar operations).
+template <int64_t QT, int R, bool Wide>
 void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, const QuantizedRows& xr, int64_t r0,
                     float* y, int64_t ldy) {
-  static_assert(!kSigned<QT> && !quant_interleaved(QT, 1), "the interleaved types have tiles of their own");
+  static_assert(!kSigned<QT> && !quant_interleaved(QT, kActInt8), "the interleaved types have tiles of their own");
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -573,14 +602,15 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
       const __m256 d8 = _mm256_load_ps(d[s]), m8 = _mm256_load_ps(m[s]);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (r0 + r) * k + g * kSub));
-        __m256i p[kTileRows];
+        const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+          __m256i p[kTileRows];
 #pragma GCC unroll 8
-        for (int c = 0; c < kTileRows; ++c) p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), ones);
+          for (int c = 0; c < kTileRows; ++c) p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), ones);
+          return sum_lanes8(p);
+        });
         const int64_t at = xr.at(r0 + r, g);
-        const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(p)), scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
         acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
       }
     }
@@ -589,9 +619,10 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
 }
 
 // One group of an interleaved Q4_0, Q4_1 or Q8_0 part (ops.h; 8 rows, `valid` of them real) against R rows of
-// int8 x from r0: y[r * ldy + c] for c < valid. A vector of a piece holds 4 inputs of each of the 8 rows, so one
-// maddubs against those 4 inputs of x, broadcast, serves all 8 rows: tile_int8_avx2's sums, without a transpose.
-template <int64_t QT, int R>
+// integer x from r0: y[r * ldy + c] for c < valid. A vector of a piece holds 4 inputs of each of the 8 rows, so
+// one maddubs against those 4 inputs of x, broadcast, serves all 8 rows: tile_int8_avx2's sums, without a
+// transpose.
+template <int64_t QT, int R, bool Wide>
 void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
                   int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(QT);
@@ -625,21 +656,23 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const auto* xq = reinterpret_cast<const int32_t*>(xr.q.data() + (r0 + r) * k + g * kSub);
-      __m256i isum;
-      if constexpr (QT == kQ8_0) {  // signed weights: magnitudes times x with their signs; int32 per piece
-        isum = _mm256_setzero_si256();
+      const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
+        const auto* xq = reinterpret_cast<const int32_t*>(x);
+        if constexpr (QT == kQ8_0) {  // signed weights: magnitudes times x with their signs; int32 per piece
+          __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) {
-          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), w[p]);
-          const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[p], w[p]), xs);
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+          for (int p = 0; p < 8; ++p) {
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), w[p]);
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[p], w[p]), xs);
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+          }
+          return isum;
+        } else {
+          return sums_unsigned4(w, xq);
         }
-      } else {
-        isum = sums_unsigned4(w, xq);
-      }
+      });
       const int64_t at = xr.at(r0 + r, g);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
       if constexpr (kHasMin<QT>) acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
     }
   }
@@ -648,7 +681,7 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
 
 // tile_x8_avx2 for Q4_K: per super-block the 8 rows' d and dmin, and the 6-bit scales and mins as three vectors
 // of words (a row's 12 bytes, lane by lane), unpacked for all 8 rows at once with shifts and masks.
-template <int R>
+template <int R, bool Wide>
 void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
                       int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(kQ4_K);
@@ -691,10 +724,11 @@ void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
         const int64_t g = sb * 8 + s;
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const auto* xq = reinterpret_cast<const int32_t*>(xr.q.data() + (r0 + r) * k + g * kSub);
+          const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
+            return sums_unsigned4(w, reinterpret_cast<const int32_t*>(x));
+          });
           const int64_t at = xr.at(r0 + r, g);
-          const __m256i isum = sums_unsigned4(w, xq);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xr.dx[at])), acc[r]);
+          acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xr.dx[at])), acc[r]);
           acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.sx[at]), acc[r]);
         }
       }
@@ -705,7 +739,7 @@ void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
 
 // tile_x8_avx2 for Q6_K: a sub-block's quants from 8 pieces of ql and 8 of qh; each half of 16 inputs summed in
 // int16 (4 * 2 * 32 * 127 fits) and multiplied by its 8 rows' int8 scales in vpmaddwd.
-template <int R>
+template <int R, bool Wide>
 void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
                       int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(kQ6_K);
@@ -740,39 +774,44 @@ void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
       const int64_t g = sb * 8 + s;
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const auto* xq = reinterpret_cast<const int32_t*>(xr.q.data() + (r0 + r) * k + g * kSub);
-        __m256i isum = _mm256_setzero_si256();
-        for (int i = 0; i < 2; ++i) {
-          __m256i pairs = _mm256_setzero_si256();
+        const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
+          const auto* xq = reinterpret_cast<const int32_t*>(x);
+          __m256i isum = _mm256_setzero_si256();
+          for (int i = 0; i < 2; ++i) {
+            __m256i pairs = _mm256_setzero_si256();
 #pragma GCC unroll 4
-          for (int p = 4 * i; p < 4 * i + 4; ++p) {
-            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), q[p]);
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), xs));
+            for (int p = 4 * i; p < 4 * i + 4; ++p) {
+              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), q[p]);
+              pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), xs));
+            }
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, scales[i]));
           }
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, scales[i]));
-        }
+          return isum;
+        });
         const int64_t at = xr.at(r0 + r, g);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
       }
     }
   }
   store_rows<R>(acc, valid, y, ldy);
 }
 
-template <int64_t QT, int R>
+template <int64_t QT, int R, bool Wide>
 void tile_int8_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int valid, int64_t k,
                          const QuantizedRows& xq, int64_t r0, float* y, int64_t ldy, bool stream) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_int8_rows_avx2<QT, R - 1>(rows, w, row_bytes, valid, k, xq, r0, y, ldy, stream);
+    if (rows < R) {
+      return tile_int8_rows_avx2<QT, R - 1, Wide>(rows, w, row_bytes, valid, k, xq, r0, y, ldy, stream);
+    }
   }
   if constexpr (QT == kQ4_K) {
-    tile_q4k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy, stream);
+    tile_q4k_x8_avx2<R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
   } else if constexpr (QT == kQ6_K) {
-    tile_q6k_x8_avx2<R>(w, valid, k, xq, r0, y, ldy, stream);
-  } else if constexpr (quant_interleaved(QT, 1)) {
-    tile_x8_avx2<QT, R>(w, valid, k, xq, r0, y, ldy, stream);
+    tile_q6k_x8_avx2<R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
+  } else if constexpr (quant_interleaved(QT, kActInt8)) {
+    tile_x8_avx2<QT, R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
   } else {
-    tile_int8_avx2<QT, R>(w, row_bytes, valid, k, xq, r0, y, ldy);
+    tile_int8_avx2<QT, R, Wide>(w, row_bytes, valid, k, xq, r0, y, ldy);
   }
 }
 #endif
@@ -780,18 +819,20 @@ void tile_int8_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int vali
 // Rows [r_begin, r_end) of x against weight rows [w_begin, w_end) of one part, written to y's columns from
 // `column`.
 template <int64_t QT>
-void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& xq, int64_t r_begin, int64_t r_end,
-               int64_t w_begin, int64_t w_end, float* y, int64_t ldy, int64_t column, bool portable) {
+void part_rows(const uint8_t* part, int64_t k, int64_t activations, const QuantizedRows& xq, int64_t r_begin,
+               int64_t r_end, int64_t w_begin, int64_t w_end, float* y, int64_t ldy, int64_t column,
+               bool portable) {
   const int64_t row_bytes = k / kBlockElems<QT> * quant_block_bytes(QT);
 #if defined(RILL_QUANT_AVX2)
-  if (!portable && int8) {
+  if (!portable && activations != kActFloat32) {
     static_assert(kTileRows == kInterleavedRows, "an int8 tile's weight rows are one interleaved group");
+    const auto tile = activations == kActInt16 ? tile_int8_rows_avx2<QT, kInt8Rows, true>
+                                               : tile_int8_rows_avx2<QT, kInt8Rows, false>;
     for (int64_t j = w_begin; j < w_end; j += kTileRows) {
       const int valid = static_cast<int>(std::min<int64_t>(kTileRows, w_end - j));
       for (int64_t r = r_begin; r < r_end; r += kInt8Rows) {
         const int rows = static_cast<int>(std::min<int64_t>(kInt8Rows, r_end - r));
-        tile_int8_rows_avx2<QT, kInt8Rows>(rows, part + j * row_bytes, row_bytes, valid, k, xq, r,
-                                           y + r * ldy + column + j, ldy, r == r_begin);
+        tile(rows, part + j * row_bytes, row_bytes, valid, k, xq, r, y + r * ldy + column + j, ldy, r == r_begin);
       }
     }
     return;
@@ -812,7 +853,7 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
   }
 #endif
   // The portable path (and the float tiles past the AVX2 branches above), a weight row at a time.
-  std::vector<uint8_t> file_row(quant_interleaved(QT, int8) ? row_bytes : 0);
+  std::vector<uint8_t> file_row(quant_interleaved(QT, activations) ? row_bytes : 0);
   for (int64_t j = w_begin; j < w_end; ++j) {
     const uint8_t* w = part + j * row_bytes;
     if (!file_row.empty()) {  // an interleaved part, portable path: the row as the file holds it
@@ -832,10 +873,12 @@ void part_rows(const uint8_t* part, int64_t k, bool int8, const QuantizedRows& x
         continue;
       }
 #endif
-      if (int8) {
-        tile_portable<QT, true>(w, k, xq, r, rows, out, ldy);
+      if (activations == kActInt16) {
+        tile_portable<QT, kActInt16>(w, k, xq, r, rows, out, ldy);
+      } else if (activations == kActInt8) {
+        tile_portable<QT, kActInt8>(w, k, xq, r, rows, out, ldy);
       } else {
-        tile_portable<QT, false>(w, k, xq, r, rows, out, ldy);
+        tile_portable<QT, kActFloat32>(w, k, xq, r, rows, out, ldy);
       }
     }
   }
@@ -884,9 +927,8 @@ void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m
                       int num_threads, bool portable) {
   QuantHeader header;
   std::memcpy(&header, packed, sizeof header);
-  const bool int8 = header.int8_activations != 0;
   QuantizedRows xq;
-  prepare_rows(x, m, k, int8, &xq, num_threads);
+  prepare_rows(x, m, k, header.activations, &xq, num_threads);
   // Tasks: (a block of x rows) x (a chunk of weight rows of one part), in part order.
   struct Task {
     int64_t part, w_begin, w_end, r_begin, r_end, column;
@@ -916,7 +958,7 @@ void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m
     const Task& task = tasks[t];
     const QuantPart& part = header.parts[task.part];
     dispatch_qtype(part.qtype, [&](auto qt) {
-      part_rows<decltype(qt)::value>(packed + part.offset, k, int8, xq, task.r_begin, task.r_end, task.w_begin,
+      part_rows<decltype(qt)::value>(packed + part.offset, k, header.activations, xq, task.r_begin, task.r_end, task.w_begin,
                                      task.w_end, y, n, task.column, portable);
     });
   }
@@ -937,7 +979,7 @@ void dequantize_rows(const uint8_t* packed, const int64_t* rows, int64_t num_row
                          const int64_t blocks = k / kBlockElems<QT>, bytes = quant_block_bytes(QT);
                          const uint8_t* w = packed + part.offset + row * blocks * bytes;
                          std::vector<uint8_t> file_row;
-                         if (quant_interleaved(QT, header.int8_activations)) {
+                         if (quant_interleaved(QT, header.activations)) {
                            file_row.resize(blocks * bytes);
                            copy_interleaved_row(QT, blocks * bytes, row, packed + part.offset, file_row.data(),
                                                 true);
