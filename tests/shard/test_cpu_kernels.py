@@ -195,18 +195,28 @@ def test_a_sequence_alone_equals_it_inside_a_batch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_equals_chunks_equals_decode_rows(dtype):
-    num_tokens = 300
+    num_tokens = 600  # three splits of 256 keys
     case = make_case([num_tokens], [num_tokens], 9, 3, 64, 16, dtype, device="cpu", seed=7)
     k_pool, v_pool = stored_pools(case, use_kernel=True)
     prefill = kernel_attention(case, k_pool, v_pool)
     # The same positions as chunks (one call, each chunk a batch entry; then each chunk its own call) ...
-    bounds = [0, 10, 37, 150, 299, num_tokens]
+    bounds = [0, 10, 37, 150, 299, 511, 599, num_tokens]
     chunks = [(0, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     assert torch.equal(run_rows(case, k_pool, v_pool, chunks), prefill)
     assert torch.equal(torch.cat([run_rows(case, k_pool, v_pool, [chunk]) for chunk in chunks]), prefill)
     # ... and as decode rows, one query each, in reverse order.
     decode_rows = [(0, t, t + 1) for t in reversed(range(num_tokens))]
     assert torch.equal(run_rows(case, k_pool, v_pool, decode_rows).flip(0), prefill)
+    # A few decode rows at a time: with 2 threads each split of a row is an item of its own, merged after.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for t in (0, 255, 256, 300, 511, 512, num_tokens - 1):
+            assert torch.equal(run_rows(case, k_pool, v_pool, [(0, t, t + 1)]), prefill[t : t + 1])
+        pair = [(0, 599, 600), (0, 257, 258)]
+        assert torch.equal(run_rows(case, k_pool, v_pool, pair), prefill[[599, 257]])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -214,8 +224,9 @@ def test_prefill_equals_chunks_equals_decode_rows(dtype):
     ("query_lens", "context_lens"),
     [
         ([1, 200, 1, 33], [65, 200, 129, 90]),
-        # 6 decode rows: one item per row and KV head on 2 threads, one per row (all KV heads) on 1 thread.
-        ([1, 1, 1, 40, 1, 1, 1], [65, 130, 7, 40, 64, 200, 90]),
+        # 6 decode rows: one item per split of 256 keys, row and KV head on 2 threads; one item per row
+        # (all KV heads, its splits in turn) on 1 thread.
+        ([1, 1, 1, 40, 1, 1, 1], [65, 530, 7, 40, 64, 800, 90]),
     ],
 )
 def test_thread_count_changes_nothing(dtype, query_lens, context_lens):

@@ -6,11 +6,17 @@
 // decode rows to keep the threads busy, so it streams each slot's K/V (all heads, contiguous) in order. K/V are
 // read in place through the block table.
 //
+// Splits: a query's keys are walked in splits of kSplit keys, [n * kSplit, (n + 1) * kSplit), each under an online
+// softmax of its own; the splits' states are then merged in split order (merge_split). An item either walks all
+// its queries' splits, merging as it goes, or, while the decode rows are too few to keep the threads busy, takes
+// one split of one decode row, its state merged after all items ran, by the same function. So a batch-1 decode
+// step's attention spreads over the threads (3 KV heads made 3 items for 2 threads) at no change in any bit.
+//
 // Batch invariance (the output for one query does not depend on the rest of the call, nor on the thread
 // count): a query at position p walks the keys it sees, [lo, p] (lo = 0, or p - sliding_window + 1), in fixed
 // tiles [n * kKeyTile, (n + 1) * kKeyTile) counted from position 0, skipping tiles it has no key in, with an
-// online softmax in float32 (running max, running sum, rescaled accumulator). Every step's arithmetic is fixed
-// by the query's own position and keys:
+// online softmax in float32 (running max, running sum, rescaled accumulator) per split, the splits merged in
+// order. Every step's arithmetic is fixed by the query's own position and keys:
 // - score of key j: 16-lane partial products over head_dim chunks in order, then a fixed reduction tree chosen
 //   by j % 16 (reduce16); keys the query does not see enter as zeros in their own lanes only. With K in pairs
 //   (ops.h, kPairedK) a lane holds one key instead, and sums its pairs of dims times the query's in order (one
@@ -18,8 +24,8 @@
 // - tile max and exp lane-wise; tile sum in lanes by key position, then the fixed tree;
 // - accumulator lane-wise: rescaled, then one multiply-add per visible key in key order (bfloat16 with
 //   AVX512-BF16: one pair step per pair of keys (2m, 2m + 1), a key the query does not see entering as zeros).
-// Rows share loads (several rows per pass over the V rows) but never arithmetic, and one row is never split
-// across threads.
+// Rows share loads (several rows per pass over the V rows) but never arithmetic, and a row is divided among
+// threads only at its fixed splits.
 //
 // int8 pools (k_scales set; rill/shard/kv_cache.py): the pools hold int8 rows, each (slot, KV head) with a
 // float32 scale, dequantized on the fly: key j's score is its lane's sum of q_i * k_i (the int8 values exactly in
@@ -41,7 +47,14 @@ namespace {
 constexpr int64_t kKeyTile = 64;      // keys per online-softmax step; a multiple of 16
 constexpr int64_t kRowsPerItem = 32;  // (query, head) rows per work item, at least one query
 constexpr int64_t kDecodeRowsPerThread = 4;  // decode rows per thread from which an item takes all KV heads
-constexpr int kMaxPiece = 8;          // accumulator chunks of one row held in registers at once (128 dims)
+constexpr int64_t kSplit = 256;       // keys per split (a multiple of kKeyTile): see "Splits" above
+// Accumulator chunks of one row held in registers at once. A chunk takes one of AVX-512's 32 registers but two of
+// AVX2's 16: there a pass holds one row of 64 dims (accumulate), its V loads folded into the multiply-adds.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kMaxPiece = 4;
+#else
+constexpr int kMaxPiece = 8;
+#endif
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // bfloat16 uses AVX512-BF16 (pairs of bfloat16 products summed into float32 lanes) where the CPU has it: for the
@@ -64,7 +77,37 @@ struct WorkItem {
   int64_t query_end;
   int64_t kv_head;      // the first KV head
   int64_t num_kv_heads;  // KV heads [kv_head, kv_head + num_kv_heads)
+  int64_t key_begin;    // the keys of the item's splits: [key_begin, key_end), split-aligned
+  int64_t key_end;
+  // >= 0: the item is one split of a decode row, whose state goes to SplitStates at index state + head * max_splits
+  // + split (merged after all items ran); -1: the item merges its splits itself and writes out
+  int64_t state;
 };
+
+// The online-softmax state of one (query, head) row over one split: running max, sum, and the accumulator
+// (head_dim floats).
+struct SplitStates {
+  int64_t max_splits = 0;  // states per (query, head) row
+  std::vector<float> max, sum, acc;
+};
+
+// Folds a split's state (max2, sum2, acc2) into the running one (max, sum, acc): both rescaled to the larger
+// max. One function for both merge paths (in an item, after the items), so they round alike.
+inline void merge_split(float& max, float& sum, float* acc, float max2, float sum2, const float* acc2,
+                        int64_t head_dim) {
+  const float m = std::max(max, max2);
+  const float a = std::exp(max - m), b = std::exp(max2 - m);
+  sum = std::fma(sum2, b, sum * a);
+  const Vec16 va = broadcast(a), vb = broadcast(b);
+  for (int64_t d = 0; d < head_dim; d += kLanes) store(acc + d, fmadd(load(acc2 + d), vb, mul(load(acc + d), va)));
+  max = m;
+}
+
+// A row's output: its merged accumulator over its merged sum.
+template <typename T>
+inline void write_row(T* row, const float* acc, float sum, int64_t head_dim) {
+  for (int64_t d = 0; d < head_dim; ++d) row[d] = from_float<T>(acc[d] / sum);
+}
 
 // Per-thread buffers, sized once per call. T: q and out; P: the pools' elements (T, or int8_t with scale pools).
 template <typename T, typename P>
@@ -72,7 +115,8 @@ struct Scratch {
   Scratch(int64_t max_rows, int64_t max_kv_heads, int64_t head_dim)
       : q(max_rows * head_dim), acc(max_rows * head_dim), probs(max_rows * kKeyTile), row_max(max_rows),
         row_sum(max_rows), rescale(max_rows), lo(max_rows), hi(max_rows), begin(max_rows), end(max_rows),
-        active(max_rows), q_raw(max_rows), kv_offset(max_rows), zero_row(head_dim), k_rows(kKeyTile),
+        active(max_rows), q_raw(max_rows), kv_offset(max_rows), merged_acc(max_rows * head_dim),
+        merged_max(max_rows), merged_sum(max_rows), merged(max_rows), zero_row(head_dim), k_rows(kKeyTile),
         v_rows(kKeyTile), k_groups(max_kv_heads * (kKeyTile / kLanes)),
         k_scale_rows(kKeyTile), v_scale_rows(kKeyTile), probs_bf16(kPairedBf16<P> ? max_rows * kKeyTile : 0) {}
   std::vector<float> q;      // scaled queries, float32, [rows, head_dim]
@@ -84,6 +128,9 @@ struct Scratch {
   std::vector<int64_t> active;      // rows that see a key of the current tile
   std::vector<const T*> q_raw;
   std::vector<int64_t> kv_offset;  // row r's K/V within a slot's row of the item's first KV head
+  // the row's splits so far, merged (items that merge their own splits)
+  std::vector<float> merged_acc, merged_max, merged_sum;
+  std::vector<char> merged;  // ... whether it has one yet
   std::vector<P> zero_row;  // stands in for keys a row does not see
   std::vector<const P*> k_rows, v_rows;  // the current tile's K (in rows) / V rows, at the item's first KV head
   // K in pairs: the current tile's groups of 16 keys in the pool, [KV head of the item][group]: row p of a
@@ -140,6 +187,20 @@ inline Vec16 group_scores(const float* q_scaled, const T* q_raw, const P* const*
     return mul(reduce16(acc), broadcast(scale));
 #endif
   } else {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    // 16 keys' accumulators would take 32 of AVX2's 16 registers: keys go four at a time, each reduced as reduce16
+    // reduces it (reduce_add), so the sums are the same.
+    alignas(32) float sums[kLanes];
+    for (int i0 = 0; i0 < kLanes; i0 += 4) {
+      Vec16 part[4] = {zeros(), zeros(), zeros(), zeros()};
+      for (int64_t d = 0; d < head_dim; d += kLanes) {
+        const Vec16 qv = load(q_scaled + d);
+        for (int i = 0; i < 4; ++i) part[i] = fmadd(qv, load(k[i0 + i] + d), part[i]);
+      }
+      for (int i = 0; i < 4; ++i) sums[i0 + i] = reduce_add(part[i]);
+    }
+    return load(sums);
+#endif
     for (int64_t d = 0; d < head_dim; d += kLanes) {
       const Vec16 qv = load(q_scaled + d);
       for (int i = 0; i < kLanes; ++i) acc[i] = fmadd(qv, load(k[i] + d), acc[i]);
@@ -374,9 +435,15 @@ void accumulate_paired(Scratch<bf16, bf16>& s, const int64_t* rows, int64_t head
 }
 #endif
 
-// Rows of one KV head that share the V loads of a pass: as many as leave registers for the V chunks.
+// Rows of one KV head that share the V loads of a pass: as many as leave registers for the V chunks (AVX2: none
+// left, see kMaxPiece).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+template <int PIECE>
+constexpr int kRowsPerPass = 1;
+#else
 template <int PIECE>
 constexpr int kRowsPerPass = PIECE <= 4 ? 4 : PIECE <= 6 ? 3 : 2;
+#endif
 
 template <int PIECE, int ROWS, typename T, typename P>
 void accumulate_rows(Scratch<T, P>& s, const int64_t* rows, int64_t head_dim, int64_t c0) {
@@ -491,7 +558,8 @@ inline void for_each_span(const PagedAttentionArgs& a, const WorkItem& item, int
 // `next`: the item this thread takes after this one (or null); a decode item prefetches its first tile while it
 // computes its own last.
 template <typename T, typename P>
-void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkItem* next, Scratch<T, P>& s) {
+void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkItem* next, Scratch<T, P>& s,
+                 SplitStates& states) {
   const int64_t group = a.num_heads / a.num_kv_heads;
   const int64_t head_dim = a.head_dim;
   const int64_t heads_per_query = item.num_kv_heads * group;  // rows are (query, head), head-minor
@@ -504,23 +572,29 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
     const int64_t head = item.kv_head * group + r % heads_per_query;
     s.kv_offset[r] = (head / group - item.kv_head) * head_dim;
     const int64_t position = a.positions[token];
-    s.lo[r] = first_key(a, position);
-    s.hi[r] = position + 1;
+    s.lo[r] = std::max(first_key(a, position), item.key_begin);
+    s.hi[r] = std::min(position + 1, item.key_end);
     item_lo = std::min(item_lo, s.lo[r]);
     item_hi = std::max(item_hi, s.hi[r]);
     const T* q = q_base + token * a.q_token_stride + head * head_dim;
     s.q_raw[r] = q;
     for (int64_t d = 0; d < head_dim; ++d) s.q[r * head_dim + d] = to_float(q[d]) * a.scale;
-    std::fill_n(s.acc.data() + r * head_dim, head_dim, 0.0f);
-    s.row_max[r] = kNegInf;
-    s.row_sum[r] = 0.0f;
+    s.merged[r] = 0;
   }
   const int64_t* table = a.block_tables + item.seq * a.block_table_stride;
   const P* k_pool = static_cast<const P*>(a.k_pool);
   const P* v_pool = static_cast<const P*>(a.v_pool);
   const int64_t slot_stride = a.num_kv_heads * head_dim;
-  for (int64_t tile_start = item_lo / kKeyTile * kKeyTile; tile_start < item_hi; tile_start += kKeyTile) {
+  const int64_t first_tile = item_lo / kKeyTile * kKeyTile;
+  for (int64_t tile_start = first_tile; tile_start < item_hi; tile_start += kKeyTile) {
     const int64_t tile_end = std::min(tile_start + kKeyTile, item_hi);
+    if (tile_start == first_tile || tile_start % kSplit == 0) {  // a split begins: every row starts afresh
+      for (int64_t r = 0; r < num_rows; ++r) {
+        std::fill_n(s.acc.data() + r * head_dim, head_dim, 0.0f);
+        s.row_max[r] = kNegInf;
+        s.row_sum[r] = 0.0f;
+      }
+    }
     for_each_run(a, table, item.kv_head, std::max(tile_start, item_lo), tile_end,
                  [&](int64_t key, int64_t run, int64_t offset) {
                    for (int64_t i = 0; i < run; ++i) {
@@ -571,7 +645,7 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
         for_each_span<P>(a, item, tile_end, std::min(tile_end + kKeyTile, item_hi), add_span);
       } else if (next != nullptr && next->query_end - next->query_begin == 1) {
         const int64_t position = a.positions[next->query_begin];
-        const int64_t lo = first_key(a, position);
+        const int64_t lo = std::max(first_key(a, position), next->key_begin);
         for_each_span<P>(a, *next, lo, std::min(lo / kKeyTile * kKeyTile + kKeyTile, position + 1), add_span);
       }
     }
@@ -600,21 +674,43 @@ void attend_item(const PagedAttentionArgs& a, const WorkItem& item, const WorkIt
     const int64_t key_steps = std::max<int64_t>(1, (num_active + group - 1) / group * kKeyTile);
     s.prefetch_per_key = (lines_left(s) + key_steps - 1) / key_steps;
     accumulate_tile(s, num_active, head_dim);
+    if (tile_end % kSplit == 0 || tile_end == item_hi) {  // a split ends: its state to the row's merge
+      const int64_t split = tile_start / kSplit;
+      for (int64_t r = 0; r < num_rows; ++r) {
+        if (std::max(s.lo[r], split * kSplit) >= std::min(s.hi[r], (split + 1) * kSplit)) continue;  // no key
+        float* acc = s.acc.data() + r * head_dim;
+        if (item.state >= 0) {  // one decode row's split: merged after all items
+          const int64_t head = item.kv_head * group + r % heads_per_query;
+          const int64_t index = item.state + head * states.max_splits + split;
+          states.max[index] = s.row_max[r];
+          states.sum[index] = s.row_sum[r];
+          std::copy_n(acc, head_dim, states.acc.data() + index * head_dim);
+        } else if (!s.merged[r]) {
+          s.merged_max[r] = s.row_max[r];
+          s.merged_sum[r] = s.row_sum[r];
+          std::copy_n(acc, head_dim, s.merged_acc.data() + r * head_dim);
+          s.merged[r] = 1;
+        } else {
+          merge_split(s.merged_max[r], s.merged_sum[r], s.merged_acc.data() + r * head_dim, s.row_max[r],
+                      s.row_sum[r], acc, head_dim);
+        }
+      }
+    }
   }
+  if (item.state >= 0) return;
   T* out = static_cast<T*>(a.out);
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t token = item.query_begin + r / heads_per_query;
     const int64_t head = item.kv_head * group + r % heads_per_query;
-    T* row = out + (token * a.num_heads + head) * head_dim;
-    const float* acc = s.acc.data() + r * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) row[d] = from_float<T>(acc[d] / s.row_sum[r]);
+    write_row(out + (token * a.num_heads + head) * head_dim, s.merged_acc.data() + r * head_dim, s.merged_sum[r],
+              head_dim);
   }
 }
 
 // Runs the items on the threads, P the pools' element type.
 template <typename T, typename P>
 void attend_items(const PagedAttentionArgs& a, const std::vector<WorkItem>& items, int64_t max_rows,
-                  int64_t decode_heads) {
+                  int64_t decode_heads, SplitStates& states) {
   const int64_t num_items = static_cast<int64_t>(items.size());
   // Items go to the threads as they come free, one ahead: a thread takes its next item before it starts the
   // current one, so that the current one can prefetch the next one's first K/V.
@@ -624,8 +720,33 @@ void attend_items(const PagedAttentionArgs& a, const std::vector<WorkItem>& item
     Scratch<T, P> scratch(max_rows, decode_heads, a.head_dim);
     for (int64_t i = taken++; i < num_items;) {
       const int64_t next = taken++;
-      attend_item(a, items[i], next < num_items ? &items[next] : nullptr, scratch);
+      attend_item(a, items[i], next < num_items ? &items[next] : nullptr, scratch, states);
       i = next;
+    }
+  }
+}
+
+// The decode rows whose splits ran as items of their own: each (row, head)'s split states merged in split order,
+// as attend_item merges them, then written out. split_seqs: their sequences; the i-th one's states start at
+// i * num_heads * max_splits.
+template <typename T>
+void merge_split_items(const PagedAttentionArgs& a, const std::vector<int64_t>& split_seqs,
+                       const SplitStates& states) {
+  std::vector<float> acc(a.head_dim);
+  for (size_t i = 0; i < split_seqs.size(); ++i) {
+    const int64_t seq = split_seqs[i], state = static_cast<int64_t>(i) * a.num_heads * states.max_splits;
+    const int64_t token = a.cu_seqlens_q[seq];
+    const int64_t position = a.positions[token];
+    const int64_t first = first_key(a, position) / kSplit, last = position / kSplit;
+    for (int64_t head = 0; head < a.num_heads; ++head) {
+      const int64_t index = state + head * states.max_splits;
+      float max = states.max[index + first], sum = states.sum[index + first];
+      std::copy_n(states.acc.data() + (index + first) * a.head_dim, a.head_dim, acc.data());
+      for (int64_t split = first + 1; split <= last; ++split) {
+        merge_split(max, sum, acc.data(), states.max[index + split], states.sum[index + split],
+                    states.acc.data() + (index + split) * a.head_dim, a.head_dim);
+      }
+      write_row(static_cast<T*>(a.out) + (token * a.num_heads + head) * a.head_dim, acc.data(), sum, a.head_dim);
     }
   }
 }
@@ -639,23 +760,49 @@ void paged_attention(const PagedAttentionArgs& a) {
   int64_t num_decode_rows = 0;
   for (int64_t seq = 0; seq < a.num_seqs; ++seq) num_decode_rows += a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq] == 1;
   const int64_t decode_heads = num_decode_rows >= kDecodeRowsPerThread * a.num_threads ? a.num_kv_heads : 1;
+  // Too few decode rows to keep the threads busy: each split of a decode row is an item (policy only: the
+  // arithmetic is the same either way).
+  const bool split_items = a.num_threads > 1 && decode_heads == 1;
+  SplitStates states;
+  std::vector<int64_t> split_seqs;
+  for (int64_t seq = 0; split_items && seq < a.num_seqs; ++seq) {
+    if (a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq] != 1) continue;
+    states.max_splits = std::max(states.max_splits, a.positions[a.cu_seqlens_q[seq]] / kSplit + 1);
+    split_seqs.push_back(seq);
+  }
+  const size_t num_states = split_seqs.size() * a.num_heads * states.max_splits;
+  states.max.resize(num_states);
+  states.sum.resize(num_states);
+  states.acc.resize(num_states * a.head_dim);
   std::vector<WorkItem> items;
+  size_t next_split = 0;  // split_seqs' next
   for (int64_t seq = 0; seq < a.num_seqs; ++seq) {
     const int64_t first = a.cu_seqlens_q[seq], last = a.cu_seqlens_q[seq + 1];
+    if (next_split < split_seqs.size() && split_seqs[next_split] == seq) {
+      const int64_t position = a.positions[first];
+      const int64_t state = static_cast<int64_t>(next_split++) * a.num_heads * states.max_splits;
+      for (int64_t kv_head = 0; kv_head < a.num_kv_heads; ++kv_head) {
+        for (int64_t split = first_key(a, position) / kSplit; split <= position / kSplit; ++split) {
+          items.push_back({seq, first, last, kv_head, 1, split * kSplit, (split + 1) * kSplit, state});
+        }
+      }
+      continue;
+    }
     const int64_t heads_per_item = last - first == 1 ? decode_heads : 1;
     for (int64_t begin = first; begin < last; begin += queries_per_item) {
       const int64_t end = std::min(begin + queries_per_item, last);
       for (int64_t kv_head = 0; kv_head < a.num_kv_heads; kv_head += heads_per_item) {
-        items.push_back({seq, begin, end, kv_head, heads_per_item});
+        items.push_back({seq, begin, end, kv_head, heads_per_item, 0, std::numeric_limits<int64_t>::max(), -1});
       }
     }
   }
   const int64_t max_rows = std::max(queries_per_item * group, decode_heads * group);
   if (a.k_scales != nullptr) {
-    attend_items<T, int8_t>(a, items, max_rows, decode_heads);
+    attend_items<T, int8_t>(a, items, max_rows, decode_heads, states);
   } else {
-    attend_items<T, T>(a, items, max_rows, decode_heads);
+    attend_items<T, T>(a, items, max_rows, decode_heads, states);
   }
+  merge_split_items<T>(a, split_seqs, states);
 }
 
 template void paged_attention<float>(const PagedAttentionArgs&);
