@@ -1,7 +1,7 @@
 """How close Rill's forward pass runs to this machine's floor, measured in one run.
 
     python -m bench.suite roofline [--dtype float32|bfloat16] [--num-threads N] [--plot roofline.png]
-    python -m bench.suite roofline --quantized-activations float32|int8   # the default model's GGUF as it is
+    python -m bench.suite roofline --quantized-activations float32|int16|int8   # the default model's GGUF
 
 Measures, on the machine it runs on: memory read bandwidth (a large sum), GEMM rate (a square matmul,
 float32 and bfloat16), then the shard's `ModelRunner` in-process (no router, no gRPC: the model's own step)
@@ -11,8 +11,8 @@ measured GEMM rate, whichever is larger (a roofline). A decode step includes bat
 sampling, as served. Last, one decode step's matmuls at batch 1-64 three ways: torch's GEMM padded to 16
 rows (the torch reference), unpadded (not batch-invariant) and Rill's CPU linear kernel (batch-invariant).
 With `--quantized-activations` the model is served from its GGUF file as it is (quantized matrices kept in the
-file's types): the floor counts the bytes the kernels really stream, and the matmuls are timed with float32
-and int8 activations side by side, next to their own floor (the matrices' bytes over the bandwidth).
+file's types): the floor counts the bytes the kernels really stream, and the matmuls are timed with float32,
+int16 and int8 activations side by side, next to their own floor (the matrices' bytes over the bandwidth).
 """
 
 from __future__ import annotations
@@ -189,23 +189,24 @@ def measure_linears(runner: ModelRunner, repeats: int, bandwidth: float) -> list
 def measure_quantized_linears(
     runner: ModelRunner, layers: list[Any], repeats: int, bandwidth: float
 ) -> list[dict[str, Any]]:
-    """One decode step's quantized matmuls (the model's own matrices, each once) with float32 and with int8
+    """One decode step's quantized matmuls (the model's own matrices, each once) with each kind of
     activations, next to their floor: the matrices' bytes over the measured bandwidth."""
     from rill.kernels import cpu as cpu_kernels
+    from rill.kernels.quant import ACTIVATIONS
 
     lib = cpu_kernels.load()
     matrices = {id(m.packed.tensor): m.packed for m in layers if m.packed.tensor.dtype == torch.uint8}
     floor = sum(p.tensor.numel() for p in matrices.values()) / bandwidth
     # The same matrices, re-packed for the other activations (the packing decides; the bytes are the same).
-    ways = {}
-    for int8 in (False, True):
-        ops = cpu_kernels.CpuOps(int8_activations=int8)
-        ways["int8" if int8 else "float32"] = [
-            ops.pack_quantized(quantized_parts(lib, p.tensor)) for p in matrices.values()
+    ways = {
+        activations: [
+            cpu_kernels.CpuOps(activations).pack_quantized(quantized_parts(lib, p.tensor))
+            for p in matrices.values()
         ]
-    print(
-        f"{'matmuls':>8} {'floor ms':>9} {'float32 act ms':>15} {'int8 act ms':>12}  (quantized, as the file)"
-    )
+        for activations in ACTIVATIONS
+    }
+    heads = "".join(f"{name + ' act ms':>16}" for name in ways)
+    print(f"{'matmuls':>8} {'floor ms':>9}{heads}  (quantized, as the file)")
     rows = []
     for batch in LINEAR_BATCH_SIZES:
         inputs = [torch.randn(batch, p.in_features) for p in matrices.values()]
@@ -218,10 +219,8 @@ def measure_quantized_linears(
 
             row[name] = _median_seconds(step, repeats=repeats)
         rows.append(row)
-        print(
-            f"{batch:>8} {floor * 1e3:>9.2f} {row['float32'] * 1e3:>15.2f} {row['int8'] * 1e3:>12.2f}",
-            flush=True,
-        )
+        times = "".join(f"{row[name] * 1e3:>16.2f}" for name in ways)
+        print(f"{batch:>8} {floor * 1e3:>9.2f}{times}", flush=True)
     return rows
 
 

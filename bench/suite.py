@@ -299,9 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "file), Q8_0 (llama.cpp's converter), others llama-quantize makes (default: "
                         "Q4_1,Q8_0); --model-id FILE.gguf serves that file instead")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="roofline: timed steps per point")
-    parser.add_argument("--quantized-activations", default="none", choices=("none", "float32", "int8"),
+    parser.add_argument("--quantized-activations", default="none",
+                        choices=("none", "float32", "int16", "int8"),
                         help="roofline: serve the default model from its GGUF file as it is, its "
-                        "quantized weights multiplying float32 or int8 activations (none: expanded "
+                        "quantized weights multiplying float32, int16 or int8 activations (none: expanded "
                         "to --dtype); peers-gguf: Rill's --quantized-activations (none: its "
                         "default)")  # fmt: skip
     parser.add_argument("--plot", type=Path, help="roofline: save the step-time plot here (PNG)")
