@@ -23,7 +23,9 @@
 // Either way every output is computed one fixed way, whatever the row count, the tile or the thread: the chains
 // over the sub-blocks in order (float: then a fixed tree over the eight lanes and the min chain). So a row's bits
 // do not depend on the batch. The portable path (any CPU; `portable` forces it) runs the same arithmetic and is
-// bitwise equal to the AVX2 one.
+// bitwise equal to the AVX2 one. Where the build has AVX512-VNNI, the integer tiles sum four byte products per
+// int32 lane in one vpdpbusd (on 256-bit registers) instead of maddubs, adds and madd: integer sums, the same
+// values, so the same bits.
 //
 // Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
 // times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A float
@@ -47,6 +49,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define RILL_QUANT_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define RILL_QUANT_VNNI 1
+#endif
 #endif
 
 namespace rill_cpu {
@@ -548,10 +553,21 @@ inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
 // The 8 exact sums of one sub-block: pieces w[0..7] (w[p]: 4 inputs 4p..4p+3 of each of 8 rows, unsigned, at most
 // 15) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
 inline __m256i sums_unsigned4(const __m256i* w, const int32_t* xq) {
+#if defined(RILL_QUANT_VNNI)
+  // Two chains, so that a sub-block waits on four vpdpbusd latencies, not eight.
+  __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int p = 0; p < 8; p += 2) {
+    even = _mm256_dpbusd_epi32(even, w[p], _mm256_set1_epi32(xq[p]));
+    odd = _mm256_dpbusd_epi32(odd, w[p + 1], _mm256_set1_epi32(xq[p + 1]));
+  }
+  return _mm256_add_epi32(even, odd);
+#else
   __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
 #pragma GCC unroll 8
   for (int p = 1; p < 8; ++p) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 * 2 * 15 * 127 fits int16
+#endif
 }
 
 // Eight int32 vectors -> one: lane c is the sum of p[c]'s eight lanes (integers: any order gives the same sum).
@@ -582,7 +598,6 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
   static_assert(!kSigned<QT> && !quant_interleaved(QT, kActInt8), "the interleaved types have tiles of their own");
   constexpr int64_t block_bytes = quant_block_bytes(QT), subs = kBlockElems<QT> / kSub;
   const int64_t blocks = k / kBlockElems<QT>;
-  const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* rows[kTileRows];
   for (int c = 0; c < kTileRows; ++c) rows[c] = w + std::min(c, valid - 1) * row_bytes;
   __m256 acc[R];
@@ -606,7 +621,13 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
           __m256i p[kTileRows];
 #pragma GCC unroll 8
-          for (int c = 0; c < kTileRows; ++c) p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), ones);
+          for (int c = 0; c < kTileRows; ++c) {
+#if defined(RILL_QUANT_VNNI)
+            p[c] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q[c], xv);
+#else
+            p[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(q[c], xv), _mm256_set1_epi16(1));
+#endif
+          }
           return sum_lanes8(p);
         });
         const int64_t at = xr.at(r0 + r, g);
@@ -630,7 +651,7 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
   const int64_t blocks = k / kSub;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0xf);
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* b = group + g * kInterleavedRows * block_bytes;
     if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
@@ -660,13 +681,25 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
         const auto* xq = reinterpret_cast<const int32_t*>(x);
         if constexpr (QT == kQ8_0) {  // signed weights: magnitudes times x with their signs; int32 per piece
           __m256i isum = _mm256_setzero_si256();
+#if defined(RILL_QUANT_VNNI)
+          __m256i odd = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int p = 0; p < 8; p += 2) {
+            isum = _mm256_dpbusd_epi32(isum, _mm256_sign_epi8(w[p], w[p]),
+                                       _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), w[p]));
+            odd = _mm256_dpbusd_epi32(odd, _mm256_sign_epi8(w[p + 1], w[p + 1]),
+                                      _mm256_sign_epi8(_mm256_set1_epi32(xq[p + 1]), w[p + 1]));
+          }
+          return _mm256_add_epi32(isum, odd);
+#else
 #pragma GCC unroll 8
           for (int p = 0; p < 8; ++p) {
             const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), w[p]);
             const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[p], w[p]), xs);
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
           }
           return isum;
+#endif
         } else {
           return sums_unsigned4(w, xq);
         }
@@ -784,7 +817,11 @@ void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
               const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), q[p]);
               pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), xs));
             }
+#if defined(RILL_QUANT_VNNI)
+            isum = _mm256_dpwssd_epi32(isum, pairs, scales[i]);
+#else
             isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, scales[i]));
+#endif
           }
           return isum;
         });
