@@ -6,8 +6,8 @@
   equals `rill.kernels.quant.reference_linear` (x, or x quantized per row as the kernels do, times the
   de-quantized weight, in float64) within float32 rounding of its sums.
 - A row's bits do not depend on the batch (1 to 600 rows), the thread count, nor the path (the portable C++
-  and the AVX2 one, with AVX512-VNNI's integer sums where the CPU has it, are bitwise equal); a matrix of mixed
-  parts is its parts' products side by side.
+  and the AVX2 one, with AVX512-VNNI's integer sums where the CPU has it, are bitwise equal); a matrix of
+  mixed parts is its parts' products side by side.
 """
 
 from __future__ import annotations
