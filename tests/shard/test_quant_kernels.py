@@ -65,8 +65,8 @@ def columns_for(qtype: str) -> list[int]:
 @ALL
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_dequantize_rows_equals_gguf_bitwise(qtype, ops):
-    """Packed for integer activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K rows are interleaved by 8 (43 rows:
-    the last group padded); every row still reads back as the file has it."""
+    """Packed for integer activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows are interleaved by 8 (43
+    rows: the last group padded); every row still reads back as the file has it."""
     lib = cpu_kernels.load()
     for columns in columns_for(qtype):
         weight = random_quantized(qtype, 43, columns, seed=columns)
@@ -133,14 +133,14 @@ def test_rows_do_not_depend_on_the_batch_threads_or_path(qtype, ops):
 @ALL
 def test_mixed_parts_are_their_products_side_by_side(ops):
     """A fused q/k/v of a Q4_K_M file mixes types: each part's columns are its own product, bitwise (row
-    counts that leave an interleaved part's last group short, and a Q5_K part kept row by row)."""
+    counts that leave an interleaved part's last group short, and a Q5_1 part kept row by row)."""
     parts = [random_quantized("Q4_K", 60, 512, 1), random_quantized("Q6_K", 29, 512, 2),
-             random_quantized("Q5_K", 39, 512, 3)]  # fmt: skip
+             random_quantized("Q5_K", 39, 512, 3), random_quantized("Q5_1", 21, 512, 5)]  # fmt: skip
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4))
-    fused = ops.linear(x, ops.pack_quantized(parts), 128)
+    fused = ops.linear(x, ops.pack_quantized(parts), 149)
     alone = torch.cat([ops.linear(x, ops.pack_quantized([part]), part.shape[0]) for part in parts], dim=1)
     assert torch.equal(fused, alone)
-    ids = torch.tensor([0, 59, 60, 88, 89, 127])
+    ids = torch.tensor([0, 59, 60, 88, 89, 127, 128, 148])
     assert torch.equal(
         ops.dequantize_rows(ops.pack_quantized(parts), ids), torch.cat([dequantize(p) for p in parts])[ids]
     )

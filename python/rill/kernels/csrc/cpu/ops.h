@@ -130,15 +130,16 @@ struct QuantHeader {
   QuantPart parts[kMaxQuantParts];
 };
 
-// A matrix packed for integer activations holds its Q4_0, Q4_1, Q8_0, Q4_K and Q6_K parts interleaved: each group
-// of 8 rows (the last padded with zero rows) block by block, each block's regions (below: the float16 scales,
-// the packed 6-bit ones, the quants...) in the file's order, a region cut into units of a few bytes and stored
-// unit by unit, each unit of the 8 rows side by side. The same bytes, so that one vector holds the same unit of
+// A matrix packed for integer activations holds its Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K parts interleaved: each
+// group of 8 rows (the last padded with zero rows) block by block, each block's regions (below: the float16
+// scales, the packed 6-bit ones, the quants...) in the file's order, a region cut into units of a few bytes and
+// stored unit by unit, each unit of the 8 rows side by side. The same bytes, so that one vector holds the same unit of
 // 8 rows (a float16 scale each, or 4 bytes of quants: the same 4 inputs' weights). Other parts, and matrices for
 // float32 activations, keep the file's rows.
 constexpr bool quant_interleaved(int64_t qtype, int64_t activations) {
   return activations != kActFloat32 &&
-         (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K);
+         (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ5_K ||
+          qtype == kQ6_K);
 }
 constexpr int64_t kInterleavedRows = 8;
 struct QuantRegion {
@@ -154,6 +155,9 @@ constexpr QuantRegion quant_region(int64_t qtype, int i) {
     case kQ4_K:  // d, dmin, the 12 bytes of 6-bit scales and mins, qs
       return i < 2 ? QuantRegion{2 * i, 2, 2} : i == 2 ? QuantRegion{4, 12, 4} : i == 3 ? QuantRegion{16, 128, 4}
                                                                                          : none;
+    case kQ5_K:  // d, dmin, the 12 bytes of 6-bit scales and mins, qh (the fifth bits), qs
+      return i < 2 ? QuantRegion{2 * i, 2, 2} : i == 2 ? QuantRegion{4, 12, 4} : i == 3 ? QuantRegion{16, 32, 4}
+           : i == 4 ? QuantRegion{48, 128, 4} : none;
     case kQ6_K:  // ql, qh, the 16 int8 scales, d
       return i == 0 ? QuantRegion{0, 128, 4} : i == 1 ? QuantRegion{128, 64, 4} : i == 2 ? QuantRegion{192, 16, 1}
            : i == 3 ? QuantRegion{208, 2, 2} : none;

@@ -32,7 +32,7 @@
 // tile is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile; a whole
 // tile reads its rows' block sums as a vector), or, for a batch of one or two rows, kWeightRows weight rows at
 // once (independent chains, x loaded once). An int8 tile is kTileRows weight rows (one group of an interleaved
-// part, ops.h; or rows decoded one by one, for the Q5 types) against up to kInt8Rows rows of x: the eight rows'
+// part, ops.h; or rows decoded one by one, for Q5_0 and Q5_1) against up to kInt8Rows rows of x: the eight rows'
 // integer sums of a sub-block become one vector, so one conversion and one fused multiply-add advance eight
 // outputs.
 
@@ -551,8 +551,9 @@ inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
 }
 
 // The 8 exact sums of one sub-block: pieces w[0..7] (w[p]: 4 inputs 4p..4p+3 of each of 8 rows, unsigned, at most
-// 15) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
-inline __m256i sums_unsigned4(const __m256i* w, const int32_t* xq) {
+// Max) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
+template <int Max>
+inline __m256i sums_unsigned(const __m256i* w, const int32_t* xq) {
 #if defined(RILL_QUANT_VNNI)
   // Two chains, so that a sub-block waits on four vpdpbusd latencies, not eight.
   __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
@@ -563,10 +564,20 @@ inline __m256i sums_unsigned4(const __m256i* w, const int32_t* xq) {
   }
   return _mm256_add_epi32(even, odd);
 #else
-  __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xq[0]));
+  // maddubs' pair sums (each at most 2 * Max * 127) added in int16 while they fit: 8 pieces of 4-bit weights, 4 of
+  // 5-bit ones; then to int32.
+  constexpr int run = Max <= 15 ? 8 : 4;
+  static_assert(run * 2 * Max * 127 <= 32767, "the int16 sums would saturate");
+  __m256i isum = _mm256_setzero_si256();
+  for (int first = 0; first < 8; first += run) {
+    __m256i pairs = _mm256_maddubs_epi16(w[first], _mm256_set1_epi32(xq[first]));
 #pragma GCC unroll 8
-  for (int p = 1; p < 8; ++p) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 * 2 * 15 * 127 fits int16
+    for (int p = first + 1; p < first + run; ++p) {
+      pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[p], _mm256_set1_epi32(xq[p])));
+    }
+    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+  return isum;
 #endif
 }
 
@@ -588,7 +599,7 @@ inline __m256 digit_sums(const QuantizedRows& xr, int64_t offset, const Sums& su
   return _mm256_fmadd_ps(hi, _mm256_set1_ps(kDigit), _mm256_cvtepi32_ps(sums(xr.lo.data() + offset)));
 }
 
-// kTileRows weight rows of a type kept row by row (Q5_0, Q5_1, Q5_K: `row_bytes` apart; `valid` of them real, the
+// kTileRows weight rows of a type kept row by row (Q5_0, Q5_1: `row_bytes` apart; `valid` of them real, the
 // others repeat the last) against R rows of integer x from r0: y[r * ldy + c] for c < valid. Per sub-block the
 // eight rows' exact integer sums against one row of x are one vector, converted and multiplied by the eight
 // d * dx at once (each lane the scalar operations).
@@ -701,7 +712,7 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
           return isum;
 #endif
         } else {
-          return sums_unsigned4(w, xq);
+          return sums_unsigned<15>(w, xq);
         }
       });
       const int64_t at = xr.at(r0 + r, g);
@@ -712,12 +723,14 @@ void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRow
   store_rows<R>(acc, valid, y, ldy);
 }
 
-// tile_x8_avx2 for Q4_K: per super-block the 8 rows' d and dmin, and the 6-bit scales and mins as three vectors
-// of words (a row's 12 bytes, lane by lane), unpacked for all 8 rows at once with shifts and masks.
-template <int R, bool Wide>
-void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
-                      int64_t ldy, bool stream) {
-  constexpr int64_t block_bytes = quant_block_bytes(kQ4_K);
+// tile_x8_avx2 for Q4_K and Q5_K: per super-block the 8 rows' d and dmin, and the 6-bit scales and mins as three
+// vectors of words (a row's 12 bytes, lane by lane), unpacked for all 8 rows at once with shifts and masks; Q5_K's
+// fifth bit of input i of sub-block s is bit s of qh's byte i, merged into the nibble as 16.
+template <int64_t QT, int R, bool Wide>
+void tile_k4_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+                     int64_t ldy, bool stream) {
+  static_assert(QT == kQ4_K || QT == kQ5_K);
+  constexpr int64_t block_bytes = quant_block_bytes(QT), quants = region_at(QT, QT == kQ5_K ? 4 : 3);
   const int64_t blocks = k / 256;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -729,13 +742,13 @@ void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
     if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
     const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
     const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-    const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(kQ4_K, 1))));
-    const int64_t scales = region_at(kQ4_K, 2);  // bytes 0-3, 4-7, 8-11 of the scales: 3 units
+    const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(QT, 1))));
+    const int64_t scales = region_at(QT, 2);  // bytes 0-3, 4-7, 8-11 of the scales: 3 units
     const __m256i w0 = load(scales), w1 = load(scales + 32), w2 = load(scales + 64);
     for (int pair = 0; pair < 4; ++pair) {
       __m256i v[8];
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) v[p] = load(region_at(kQ4_K, 3) + (8 * pair + p) * 32);
+      for (int p = 0; p < 8; ++p) v[p] = load(quants + (8 * pair + p) * 32);
       for (int h = 0; h < 2; ++h) {
         const int s = 2 * pair + h;  // scale_min_k4, lane by lane
         __m256i scale, min;
@@ -753,12 +766,18 @@ void tile_q4k_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantize
         const __m256 m = _mm256_xor_ps(_mm256_mul_ps(dmin8, _mm256_cvtepi32_ps(min)), negative);
         __m256i w[8];
 #pragma GCC unroll 8
-        for (int p = 0; p < 8; ++p) w[p] = _mm256_and_si256(h == 0 ? v[p] : _mm256_srli_epi16(v[p], 4), low4);
+        for (int p = 0; p < 8; ++p) {
+          w[p] = _mm256_and_si256(h == 0 ? v[p] : _mm256_srli_epi16(v[p], 4), low4);
+          if constexpr (QT == kQ5_K) {  // bit s of each byte of qh's piece p, moved to bit 4 of its byte
+            const __m256i bit = _mm256_and_si256(load(region_at(QT, 3) + p * 32), _mm256_set1_epi8(1 << s));
+            w[p] = _mm256_or_si256(w[p], s < 4 ? _mm256_slli_epi16(bit, 4 - s) : _mm256_srli_epi16(bit, s - 4));
+          }
+        }
         const int64_t g = sb * 8 + s;
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
-            return sums_unsigned4(w, reinterpret_cast<const int32_t*>(x));
+            return sums_unsigned<QT == kQ5_K ? 31 : 15>(w, reinterpret_cast<const int32_t*>(x));
           });
           const int64_t at = xr.at(r0 + r, g);
           acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xr.dx[at])), acc[r]);
@@ -841,8 +860,8 @@ void tile_int8_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int vali
       return tile_int8_rows_avx2<QT, R - 1, Wide>(rows, w, row_bytes, valid, k, xq, r0, y, ldy, stream);
     }
   }
-  if constexpr (QT == kQ4_K) {
-    tile_q4k_x8_avx2<R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    tile_k4_x8_avx2<QT, R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
   } else if constexpr (QT == kQ6_K) {
     tile_q6k_x8_avx2<R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
   } else if constexpr (quant_interleaved(QT, kActInt8)) {
