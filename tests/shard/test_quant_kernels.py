@@ -65,8 +65,8 @@ def columns_for(qtype: str) -> list[int]:
 @ALL
 @pytest.mark.parametrize("qtype", sorted(QTYPES))
 def test_dequantize_rows_equals_gguf_bitwise(qtype, ops):
-    """Packed for integer activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows are interleaved by 8 (43
-    rows: the last group padded); every row still reads back as the file has it."""
+    """Packed for integer activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows are interleaved by 16 or 8
+    (43 rows: the last group padded); every row still reads back as the file has it."""
     lib = cpu_kernels.load()
     for columns in columns_for(qtype):
         weight = random_quantized(qtype, 43, columns, seed=columns)

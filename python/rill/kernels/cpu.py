@@ -222,7 +222,8 @@ class CpuOps(KernelOps):
     def pack_quantized(self, parts: list[QuantizedTensor]) -> torch.Tensor:
         """One uint8 buffer in huge pages: a header, then each part's blocks, the file's bytes and no more
         (64-byte alignment aside; packed for integer activations, Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K
-        parts hold 8 rows interleaved, the last group padded with zero rows: ops.h, "Quantized matrices")."""
+        parts hold groups of 16 rows interleaved (8 on a CPU without AVX-512), the last group padded with zero
+        rows: ops.h, "Quantized matrices")."""
         lib = load()
         columns = {part.columns for part in parts}
         if len(columns) != 1:

@@ -131,17 +131,24 @@ struct QuantHeader {
 };
 
 // A matrix packed for integer activations holds its Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K parts interleaved: each
-// group of 8 rows (the last padded with zero rows) block by block, each block's regions (below: the float16
-// scales, the packed 6-bit ones, the quants...) in the file's order, a region cut into units of a few bytes and
-// stored unit by unit, each unit of the 8 rows side by side. The same bytes, so that one vector holds the same unit of
-// 8 rows (a float16 scale each, or 4 bytes of quants: the same 4 inputs' weights). Other parts, and matrices for
-// float32 activations, keep the file's rows.
+// group of kInterleavedRows rows (the last padded with zero rows) block by block, each block's regions (below: the
+// float16 scales, the packed 6-bit ones, the quants...) in the file's order, a region cut into units of a few bytes
+// and stored unit by unit, each unit of the group's rows side by side. The same bytes, so that one vector holds the
+// same unit of every row of a group (a float16 scale each, or 4 bytes of quants: the same 4 inputs' weights): a
+// group is 16 rows where the build has AVX-512 with VNNI (512-bit vectors), else 8 (256-bit). Other parts, and
+// matrices for float32 activations, keep the file's rows.
 constexpr bool quant_interleaved(int64_t qtype, int64_t activations) {
   return activations != kActFloat32 &&
          (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ5_K ||
           qtype == kQ6_K);
 }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RILL_QUANT_AVX512 1
+constexpr int64_t kInterleavedRows = 16;
+#else
 constexpr int64_t kInterleavedRows = 8;
+#endif
 struct QuantRegion {
   int64_t start, bytes, unit;  // bytes [start, start + bytes) of a block, in units of `unit` bytes
 };

@@ -24,17 +24,17 @@
 // over the sub-blocks in order (float: then a fixed tree over the eight lanes and the min chain). So a row's bits
 // do not depend on the batch. The portable path (any CPU; `portable` forces it) runs the same arithmetic and is
 // bitwise equal to the AVX2 one. Where the build has AVX512-VNNI, the integer tiles sum four byte products per
-// int32 lane in one vpdpbusd (on 256-bit registers) instead of maddubs, adds and madd: integer sums, the same
-// values, so the same bits.
+// int32 lane in one vpdpbusd instead of maddubs, adds and madd, and with AVX-512 they run on 512-bit vectors over
+// groups of 16 weight rows: integer sums, the same values, so the same bits.
 //
 // Work: decode batches are split over the weight rows (each weight byte read once); prefill over blocks of x rows
 // times chunks of weight rows, so a chunk of weights stays in cache while the rows' tiles pass over it. A float
 // tile is one weight row against up to kTileRows rows of x (the weight sub-block decoded once per tile; a whole
 // tile reads its rows' block sums as a vector), or, for a batch of one or two rows, kWeightRows weight rows at
-// once (independent chains, x loaded once). An int8 tile is kTileRows weight rows (one group of an interleaved
-// part, ops.h; or rows decoded one by one, for Q5_0 and Q5_1) against up to kInt8Rows rows of x: the eight rows'
-// integer sums of a sub-block become one vector, so one conversion and one fused multiply-add advance eight
-// outputs.
+// once (independent chains, x loaded once). An integer tile is one group of an interleaved part (ops.h: 8 or 16
+// weight rows, a lane each), or kTileRows rows decoded one by one (Q5_0 and Q5_1), against up to kInt8Rows rows of
+// x: the weight rows' integer sums of a sub-block are one vector, so one conversion and one fused multiply-add
+// advance all their outputs. x is quantized 8 inputs at a time where the build has AVX2.
 
 #include <ATen/Parallel.h>
 
@@ -62,6 +62,7 @@ constexpr int kWeightRows = 4;        // weight rows a float tile carries for a 
 constexpr int kInt8Rows = 4;          // rows of x an int8 tile carries
 constexpr int64_t kRowBlock = 64;     // rows of x a prefill task keeps in cache
 constexpr int64_t kWeightChunk = 16;  // weight rows per task
+static_assert(kWeightChunk % kInterleavedRows == 0, "a task's weight rows are whole interleaved groups");
 constexpr int64_t kSub = 32;          // inputs per activation block and per weight sub-block
 
 float half_to_float(const uint8_t* p) {
@@ -220,7 +221,80 @@ struct QuantizedRows {
 
 constexpr int kDigit = 254;  // the base of int16 activations' two digits
 
-void prepare_rows(const float* x, int64_t m, int64_t k, int64_t activations, QuantizedRows* out, int num_threads) {
+// One block of 32 inputs of a row to integers (int8, or with `wide` int16 as two digits: q = 254 * hi + lo, q in
+// q[], lo in lo[]): its scale *dx and *sx = dx * sum(q_x).
+void quantize_block(const float* v, bool wide, int8_t* q, int8_t* lo, float* dx, float* sx) {
+  float amax = 0.0f;
+  for (int j = 0; j < kSub; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const float d = amax / (wide ? 127.0f * kDigit : 127.0f);
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  int sum = 0;
+  for (int j = 0; j < kSub; ++j) {
+    const int value = static_cast<int>(std::nearbyint(v[j] * id));
+    sum += value;
+    if (!wide) {
+      q[j] = static_cast<int8_t>(value);
+      continue;
+    }
+    const int hi = (value + kDigit / 2 + kDigit * 128) / kDigit - 128;  // round(value / 254)
+    q[j] = static_cast<int8_t>(hi);
+    lo[j] = static_cast<int8_t>(value - kDigit * hi);
+  }
+  *dx = d;
+  *sx = d * static_cast<float>(sum);
+}
+
+#if defined(RILL_QUANT_AVX2)
+// quantize_block on 8 lanes at a time, the same values: a maximum and an integer sum are exact in any order, the
+// products are the same IEEE operations, vroundps rounds half to even as nearbyint does (the default mode), and
+// hi = floor((value + 127) / 254) in float is exact (a quotient that is not an integer is at least 1/254 from
+// one, far more than the division's rounding).
+void quantize_block_avx2(const float* v, bool wide, int8_t* q, int8_t* lo, float* dx, float* sx) {
+  __m256 x[4], amax = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int j = 0; j < 4; ++j) {
+    x[j] = _mm256_loadu_ps(v + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(x[j], magnitude));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float d = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4))) / (wide ? 127.0f * kDigit : 127.0f);
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  // 32 int32 lanes (4 vectors, inputs in order) -> 32 int8: packs interleave the 128-bit halves, a permute undoes it.
+  const auto narrow = [](const __m256i* w, int8_t* out) {
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+    const __m256i order = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), order);
+  };
+  __m256i values[4], highs[4], lows[4], sum = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256 value = _mm256_round_ps(_mm256_mul_ps(x[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    values[j] = _mm256_cvtps_epi32(value);
+    sum = _mm256_add_epi32(sum, values[j]);
+    if (wide) {
+      const __m256 hi = _mm256_floor_ps(_mm256_div_ps(_mm256_add_ps(value, _mm256_set1_ps(kDigit / 2)),
+                                                      _mm256_set1_ps(kDigit)));
+      highs[j] = _mm256_cvtps_epi32(hi);
+      lows[j] = _mm256_cvtps_epi32(_mm256_fnmadd_ps(hi, _mm256_set1_ps(kDigit), value));  // exact
+    }
+  }
+  if (wide) {
+    narrow(highs, q);
+    narrow(lows, lo);
+  } else {
+    narrow(values, q);
+  }
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *dx = d;
+  *sx = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+}
+#endif
+
+// x for the tiles (QuantizedRows), each block of 32 on its own; `portable` keeps to the plain C++ (the same values).
+void prepare_rows(const float* x, int64_t m, int64_t k, int64_t activations, QuantizedRows* out, int num_threads,
+                  bool portable) {
   const int64_t blocks = k / kSub, grouped = (m + kTileRows - 1) / kTileRows * kTileRows * blocks;
   const bool wide = activations == kActInt16;
   out->x = x;
@@ -231,35 +305,25 @@ void prepare_rows(const float* x, int64_t m, int64_t k, int64_t activations, Qua
     out->lo.resize(wide ? m * k : 0);
     out->dx.resize(grouped);
   }
+#if defined(RILL_QUANT_AVX2)
+  const auto quantize = portable ? quantize_block : quantize_block_avx2;
+#else
+  (void)portable;
+  const auto quantize = quantize_block;
+#endif
   at::parallel_for(0, m * blocks, num_threads > 1 && m * k >= (1 << 16) ? 256 : m * blocks + 1,
                    [&](int64_t begin, int64_t end) {
                      for (int64_t i = begin; i < end; ++i) {
-                       const float* v = x + (i / blocks) * k + (i % blocks) * kSub;
+                       const int64_t offset = (i / blocks) * k + (i % blocks) * kSub;
+                       const int64_t at = out->at(i / blocks, i % blocks);
                        if (activations == kActFloat32) {
                          float sum = 0.0f;
-                         for (int j = 0; j < kSub; ++j) sum += v[j];
-                         out->sx[out->at(i / blocks, i % blocks)] = sum;
-                         continue;
+                         for (int j = 0; j < kSub; ++j) sum += x[offset + j];
+                         out->sx[at] = sum;
+                       } else {
+                         quantize(x + offset, wide, out->q.data() + offset, wide ? out->lo.data() + offset : nullptr,
+                                  &out->dx[at], &out->sx[at]);
                        }
-                       const int64_t offset = (i / blocks) * k + (i % blocks) * kSub;
-                       float amax = 0.0f;
-                       for (int j = 0; j < kSub; ++j) amax = std::max(amax, std::fabs(v[j]));
-                       const float d = amax / (wide ? 127.0f * kDigit : 127.0f);
-                       const float id = d != 0.0f ? 1.0f / d : 0.0f;
-                       int sum = 0;
-                       for (int j = 0; j < kSub; ++j) {
-                         const int q = static_cast<int>(std::nearbyint(v[j] * id));
-                         sum += q;
-                         if (!wide) {
-                           out->q[offset + j] = static_cast<int8_t>(q);
-                           continue;
-                         }
-                         const int hi = (q + kDigit / 2 + kDigit * 128) / kDigit - 128;  // round(q / 254)
-                         out->q[offset + j] = static_cast<int8_t>(hi);
-                         out->lo[offset + j] = static_cast<int8_t>(q - kDigit * hi);
-                       }
-                       out->dx[out->at(i / blocks, i % blocks)] = d;
-                       out->sx[out->at(i / blocks, i % blocks)] = d * static_cast<float>(sum);
                      }
                    });
 }
@@ -527,7 +591,7 @@ void tile_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int64_t k, co
   tile_avx2<QT, R, C>(w, row_bytes, k, xq, r0, y, ldy);
 }
 
-// Where region i of a block of an interleaved type starts in a group's block (ops.h: the 8 rows' regions before it).
+// Where region i of a block of an interleaved type starts in a group's block (ops.h: the group's regions before it).
 constexpr int64_t region_at(int64_t qtype, int i) { return kInterleavedRows * quant_region(qtype, i).start; }
 
 // The lines `bytes` long at kPrefetchAhead bytes past `p`, requested ahead of their use: a group's blocks are
@@ -540,29 +604,157 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   }
 }
 
-// The R accumulators of an int8 tile, stored: y[r * ldy + c] for c < valid.
-template <int R>
-inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
+// The integer tiles' vector operations at either width, so that each tile is written once: 256-bit vectors (8
+// int32 or float lanes) and, where the build has AVX-512 with VNNI, 512-bit ones (16 lanes). An interleaved
+// group's tiles use the width whose lanes are its rows (GroupI, GroupF); the row-by-row tile, 256-bit.
+template <typename V>
+V v_zero();
+template <typename V>
+V v_set1(float v);
+template <typename V>
+V v_set1_8(int v);
+template <typename V>
+V v_set1_32(int v);
+template <typename V>
+V v_load(const uint8_t* p);
+template <typename V>
+V v_halves(const uint8_t* p);  // a float16 per lane, as floats
+template <typename V>
+V v_scale_pairs(const uint8_t* p);  // an int8 per lane, in both int16 halves of its int32 lane
+
+template <>
+inline __m256i v_zero() { return _mm256_setzero_si256(); }
+template <>
+inline __m256 v_zero() { return _mm256_setzero_ps(); }
+template <>
+inline __m256 v_set1(float v) { return _mm256_set1_ps(v); }
+template <>
+inline __m256i v_set1_8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+template <>
+inline __m256i v_set1_32(int v) { return _mm256_set1_epi32(v); }
+template <>
+inline __m256i v_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+template <>
+inline __m256 v_halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <>
+inline __m256i v_scale_pairs(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
+inline __m256i v_and(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+inline __m256i v_or(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+inline __m256i v_sub8(__m256i a, __m256i b) { return _mm256_sub_epi8(a, b); }
+inline __m256i v_add16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
+inline __m256i v_add32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+inline __m256i v_srl16(__m256i a, int n) { return _mm256_srli_epi16(a, n); }
+inline __m256i v_sll16(__m256i a, int n) { return _mm256_slli_epi16(a, n); }
+inline __m256i v_srl32(__m256i a, int n) { return _mm256_srli_epi32(a, n); }
+inline __m256i v_sll32(__m256i a, int n) { return _mm256_slli_epi32(a, n); }
+inline __m256i v_bcast32(__m256i, const int32_t* p) { return _mm256_set1_epi32(*p); }
+inline __m256i v_maddubs(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
+// |w| and x with w's signs (negated where w < 0): the unsigned-by-signed byte products give w * x.
+inline void v_abs_signed(__m256i w, __m256i x, __m256i* aw, __m256i* sx) {
+  *aw = _mm256_sign_epi8(w, w);
+  *sx = _mm256_sign_epi8(x, w);
+}
+// acc + the int16 pair products of a and b, summed per int32 lane.
+inline __m256i v_dpwssd(__m256i acc, __m256i a, __m256i b) {
+#if defined(RILL_QUANT_VNNI)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+#if defined(RILL_QUANT_VNNI)
+// acc + the 4 unsigned-by-signed byte products of each int32 lane, summed.
+inline __m256i v_dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#endif
+inline __m256 v_cvt(__m256i a) { return _mm256_cvtepi32_ps(a); }
+inline __m256 v_mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+inline __m256 v_fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 v_neg(__m256 a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+inline void v_store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+#if defined(RILL_QUANT_AVX512)
+template <>
+inline __m512i v_zero() { return _mm512_setzero_si512(); }
+template <>
+inline __m512 v_zero() { return _mm512_setzero_ps(); }
+template <>
+inline __m512 v_set1(float v) { return _mm512_set1_ps(v); }
+template <>
+inline __m512i v_set1_8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+template <>
+inline __m512i v_set1_32(int v) { return _mm512_set1_epi32(v); }
+template <>
+inline __m512i v_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+template <>
+inline __m512 v_halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+inline __m512i v_scale_pairs(const uint8_t* p) {
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(v, 16));
+}
+inline __m512i v_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
+inline __m512i v_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+inline __m512i v_sub8(__m512i a, __m512i b) { return _mm512_sub_epi8(a, b); }
+inline __m512i v_add16(__m512i a, __m512i b) { return _mm512_add_epi16(a, b); }
+inline __m512i v_add32(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+inline __m512i v_srl16(__m512i a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(n)); }
+inline __m512i v_sll16(__m512i a, int n) { return _mm512_sll_epi16(a, _mm_cvtsi32_si128(n)); }
+inline __m512i v_srl32(__m512i a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline __m512i v_sll32(__m512i a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline __m512i v_bcast32(__m512i, const int32_t* p) { return _mm512_set1_epi32(*p); }
+inline __m512i v_maddubs(__m512i u, __m512i s) { return _mm512_maddubs_epi16(u, s); }
+inline void v_abs_signed(__m512i w, __m512i x, __m512i* aw, __m512i* sx) {
+  *aw = _mm512_abs_epi8(w);  // -128 -> 128 as an unsigned byte, as vpsignb gives
+  *sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);  // where w = 0, |w| x = 0
+}
+inline __m512i v_dpwssd(__m512i acc, __m512i a, __m512i b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline __m512i v_dpbusd(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline __m512 v_cvt(__m512i a) { return _mm512_cvtepi32_ps(a); }
+inline __m512 v_mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+inline __m512 v_fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512 v_neg(__m512 a) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+}
+inline void v_store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+using GroupI = __m512i;
+using GroupF = __m512;
+#else
+using GroupI = __m256i;
+using GroupF = __m256;
+#endif
+static_assert(sizeof(GroupF) == 4 * kInterleavedRows, "a group vector holds a float (or 4 bytes) of each row");
+constexpr int64_t kGroupBytes = sizeof(GroupI);  // one unit of 4 bytes of every row of a group
+
+// The R accumulators of an integer tile (a lane per weight row), stored: y[r * ldy + c] for c < valid.
+template <int R, typename V>
+inline void store_rows(const V* acc, int valid, float* y, int64_t ldy) {
   for (int r = 0; r < R; ++r) {
-    alignas(32) float out[kInterleavedRows];
-    _mm256_store_ps(out, acc[r]);
+    alignas(64) float out[sizeof(V) / 4];
+    v_store(out, acc[r]);
     std::memcpy(y + r * ldy, out, valid * sizeof(float));
   }
 }
 
-// The 8 exact sums of one sub-block: pieces w[0..7] (w[p]: 4 inputs 4p..4p+3 of each of 8 rows, unsigned, at most
-// Max) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
-template <int Max>
-inline __m256i sums_unsigned(const __m256i* w, const int32_t* xq) {
+// The exact sums of one sub-block, a lane per row: pieces w[0..7] (w[p]: 4 inputs 4p..4p+3 of each row, unsigned,
+// at most Max) against the sub-block's 32 int8 inputs of one row of x, xq (as 8 int32).
+template <int Max, typename V>
+inline V sums_unsigned(const V* w, const int32_t* xq) {
 #if defined(RILL_QUANT_VNNI)
   // Two chains, so that a sub-block waits on four vpdpbusd latencies, not eight.
-  __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+  V even = v_zero<V>(), odd = v_zero<V>();
 #pragma GCC unroll 4
   for (int p = 0; p < 8; p += 2) {
-    even = _mm256_dpbusd_epi32(even, w[p], _mm256_set1_epi32(xq[p]));
-    odd = _mm256_dpbusd_epi32(odd, w[p + 1], _mm256_set1_epi32(xq[p + 1]));
+    even = v_dpbusd(even, w[p], v_bcast32(even, xq + p));
+    odd = v_dpbusd(odd, w[p + 1], v_bcast32(odd, xq + p + 1));
   }
-  return _mm256_add_epi32(even, odd);
+  return v_add32(even, odd);
 #else
   // maddubs' pair sums (each at most 2 * Max * 127) added in int16 while they fit: 8 pieces of 4-bit weights, 4 of
   // 5-bit ones; then to int32.
@@ -581,6 +773,27 @@ inline __m256i sums_unsigned(const __m256i* w, const int32_t* xq) {
 #endif
 }
 
+// sums_unsigned for signed weights (Q8_0: w[p] the int8 weights of inputs 4p..4p+3): |w| against x with w's signs.
+template <typename V>
+inline V sums_signed(const V* w, const int32_t* xq) {
+  V even = v_zero<V>(), odd = v_zero<V>();
+#pragma GCC unroll 4
+  for (int p = 0; p < 8; p += 2) {
+    V aw, sx;
+    v_abs_signed(w[p], v_bcast32(even, xq + p), &aw, &sx);
+#if defined(RILL_QUANT_VNNI)
+    even = v_dpbusd(even, aw, sx);
+    v_abs_signed(w[p + 1], v_bcast32(odd, xq + p + 1), &aw, &sx);
+    odd = v_dpbusd(odd, aw, sx);
+#else
+    even = _mm256_add_epi32(even, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+    v_abs_signed(w[p + 1], v_bcast32(odd, xq + p + 1), &aw, &sx);
+    odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+#endif
+  }
+  return v_add32(even, odd);
+}
+
 // Eight int32 vectors -> one: lane c is the sum of p[c]'s eight lanes (integers: any order gives the same sum).
 inline __m256i sum_lanes8(const __m256i* p) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
@@ -589,14 +802,15 @@ inline __m256i sum_lanes8(const __m256i* p) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// The 8 lanes' sums of one sub-block against one row of x whose int8 inputs start at `offset` of xr.q:
+// The lanes' sums of one sub-block against one row of x whose int8 inputs start at `offset` of xr.q:
 // float(sums(inputs)), or with Wide (int16 activations) fma(float(sums(high digits)), 254, float(sums(low
-// digits))). sums(const int8_t*) gives the 8 exact integer sums against 32 int8 inputs.
+// digits))). sums(const int8_t*) gives a vector of exact integer sums (a lane per weight row) against 32 int8
+// inputs.
 template <bool Wide, typename Sums>
-inline __m256 digit_sums(const QuantizedRows& xr, int64_t offset, const Sums& sums) {
-  const __m256 hi = _mm256_cvtepi32_ps(sums(xr.q.data() + offset));
+inline auto digit_sums(const QuantizedRows& xr, int64_t offset, const Sums& sums) {
+  const auto hi = v_cvt(sums(xr.q.data() + offset));
   if constexpr (!Wide) return hi;
-  return _mm256_fmadd_ps(hi, _mm256_set1_ps(kDigit), _mm256_cvtepi32_ps(sums(xr.lo.data() + offset)));
+  return v_fmadd(hi, v_set1<std::remove_const_t<decltype(hi)>>(kDigit), v_cvt(sums(xr.lo.data() + offset)));
 }
 
 // kTileRows weight rows of a type kept row by row (Q5_0, Q5_1: `row_bytes` apart; `valid` of them real, the
@@ -650,138 +864,111 @@ void tile_int8_avx2(const uint8_t* w, int64_t row_bytes, int valid, int64_t k, c
   store_rows<R>(acc, valid, y, ldy);
 }
 
-// One group of an interleaved Q4_0, Q4_1 or Q8_0 part (ops.h; 8 rows, `valid` of them real) against R rows of
-// integer x from r0: y[r * ldy + c] for c < valid. A vector of a piece holds 4 inputs of each of the 8 rows, so
-// one maddubs against those 4 inputs of x, broadcast, serves all 8 rows: tile_int8_avx2's sums, without a
-// transpose.
+
+// One group of an interleaved Q4_0, Q4_1 or Q8_0 part (ops.h; kInterleavedRows rows, `valid` of them real) against
+// R rows of integer x from r0: y[r * ldy + c] for c < valid. A vector of a piece holds 4 inputs of each row of the
+// group, so one product against those 4 inputs of x, broadcast, serves all its rows: tile_int8_avx2's sums,
+// without a transpose.
 template <int64_t QT, int R, bool Wide>
-void tile_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
-                  int64_t ldy, bool stream) {
+void tile_group(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+                int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(QT);
-  constexpr int pieces = QT == kQ8_0 ? 8 : 4;  // 32-byte vectors of quants per block of 8 rows
+  constexpr int pieces = QT == kQ8_0 ? 8 : 4;  // vectors of quants per block of the group
   const int64_t blocks = k / kSub;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0xf);
+  GroupF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v_zero<GroupF>();
+  const GroupI low4 = v_set1_8<GroupI>(0xf);
   for (int64_t g = 0; g < blocks; ++g) {
     const uint8_t* b = group + g * kInterleavedRows * block_bytes;
     if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));  // region 0: d
-    __m256 m8 = _mm256_setzero_ps();
-    if constexpr (QT == kQ4_0) m8 = _mm256_mul_ps(_mm256_set1_ps(-8.0f), d8);
-    if constexpr (QT == kQ4_1) {  // region 1: m
-      m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(QT, 1))));
-    }
-    const auto* quants = reinterpret_cast<const __m256i*>(b + region_at(QT, QT == kQ4_1 ? 2 : 1));
+    const GroupF d8 = v_halves<GroupF>(b);  // region 0: d
+    GroupF m8 = v_zero<GroupF>();
+    if constexpr (QT == kQ4_0) m8 = v_mul(v_set1<GroupF>(-8.0f), d8);
+    if constexpr (QT == kQ4_1) m8 = v_halves<GroupF>(b + region_at(QT, 1));  // region 1: m
+    const uint8_t* quants = b + region_at(QT, QT == kQ4_1 ? 2 : 1);
     // Q4: piece p holds inputs 4p..4p+3 in its low nibbles, 16+4p..16+4p+3 in its high ones; Q8_0: 4p..4p+3.
     // w[p]: the weights of inputs 4p..4p+3.
-    __m256i w[8];
+    GroupI w[8];
 #pragma GCC unroll 8
     for (int p = 0; p < pieces; ++p) {
-      const __m256i v = _mm256_loadu_si256(quants + p);
+      const GroupI v = v_load<GroupI>(quants + p * kGroupBytes);
       if constexpr (QT == kQ8_0) {
         w[p] = v;
       } else {
-        w[p] = _mm256_and_si256(v, low4);
-        w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        w[p] = v_and(v, low4);
+        w[p + 4] = v_and(v_srl16(v, 4), low4);
       }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
+      const GroupF sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
         const auto* xq = reinterpret_cast<const int32_t*>(x);
-        if constexpr (QT == kQ8_0) {  // signed weights: magnitudes times x with their signs; int32 per piece
-          __m256i isum = _mm256_setzero_si256();
-#if defined(RILL_QUANT_VNNI)
-          __m256i odd = _mm256_setzero_si256();
-#pragma GCC unroll 4
-          for (int p = 0; p < 8; p += 2) {
-            isum = _mm256_dpbusd_epi32(isum, _mm256_sign_epi8(w[p], w[p]),
-                                       _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), w[p]));
-            odd = _mm256_dpbusd_epi32(odd, _mm256_sign_epi8(w[p + 1], w[p + 1]),
-                                      _mm256_sign_epi8(_mm256_set1_epi32(xq[p + 1]), w[p + 1]));
-          }
-          return _mm256_add_epi32(isum, odd);
-#else
-#pragma GCC unroll 8
-          for (int p = 0; p < 8; ++p) {
-            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), w[p]);
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[p], w[p]), xs);
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-          }
-          return isum;
-#endif
-        } else {
-          return sums_unsigned<15>(w, xq);
-        }
+        if constexpr (QT == kQ8_0) return sums_signed(w, xq);
+        else return sums_unsigned<15>(w, xq);
       });
       const int64_t at = xr.at(r0 + r, g);
-      acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
-      if constexpr (kHasMin<QT>) acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xr.sx[at]), acc[r]);
+      acc[r] = v_fmadd(sum, v_mul(d8, v_set1<GroupF>(xr.dx[at])), acc[r]);
+      if constexpr (kHasMin<QT>) acc[r] = v_fmadd(m8, v_set1<GroupF>(xr.sx[at]), acc[r]);
     }
   }
   store_rows<R>(acc, valid, y, ldy);
 }
 
-// tile_x8_avx2 for Q4_K and Q5_K: per super-block the 8 rows' d and dmin, and the 6-bit scales and mins as three
-// vectors of words (a row's 12 bytes, lane by lane), unpacked for all 8 rows at once with shifts and masks; Q5_K's
+// tile_group for Q4_K and Q5_K: per super-block the group's d and dmin, and the 6-bit scales and mins as three
+// vectors of words (a row's 12 bytes, lane by lane), unpacked for all rows at once with shifts and masks; Q5_K's
 // fifth bit of input i of sub-block s is bit s of qh's byte i, merged into the nibble as 16.
 template <int64_t QT, int R, bool Wide>
-void tile_k4_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
-                     int64_t ldy, bool stream) {
+void tile_group_k4(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+                   int64_t ldy, bool stream) {
   static_assert(QT == kQ4_K || QT == kQ5_K);
   constexpr int64_t block_bytes = quant_block_bytes(QT), quants = region_at(QT, QT == kQ5_K ? 4 : 3);
   const int64_t blocks = k / 256;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0xf), six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
-  const __m256i two = _mm256_set1_epi32(3);
-  const __m256 negative = _mm256_set1_ps(-0.0f);
+  GroupF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v_zero<GroupF>();
+  const GroupI low4 = v_set1_8<GroupI>(0xf), six = v_set1_32<GroupI>(63), four = v_set1_32<GroupI>(15);
+  const GroupI two = v_set1_32<GroupI>(3);
   for (int64_t sb = 0; sb < blocks; ++sb) {
     const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
     if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
-    const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-    const __m256 dmin8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(QT, 1))));
+    const auto load = [b](int64_t offset) { return v_load<GroupI>(b + offset); };
+    const GroupF d8 = v_halves<GroupF>(b), dmin8 = v_halves<GroupF>(b + region_at(QT, 1));
     const int64_t scales = region_at(QT, 2);  // bytes 0-3, 4-7, 8-11 of the scales: 3 units
-    const __m256i w0 = load(scales), w1 = load(scales + 32), w2 = load(scales + 64);
+    const GroupI w0 = load(scales), w1 = load(scales + kGroupBytes), w2 = load(scales + 2 * kGroupBytes);
     for (int pair = 0; pair < 4; ++pair) {
-      __m256i v[8];
+      GroupI v[8];
 #pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) v[p] = load(quants + (8 * pair + p) * 32);
+      for (int p = 0; p < 8; ++p) v[p] = load(quants + (8 * pair + p) * kGroupBytes);
       for (int h = 0; h < 2; ++h) {
         const int s = 2 * pair + h;  // scale_min_k4, lane by lane
-        __m256i scale, min;
+        GroupI scale, min;
         if (s < 4) {
-          scale = _mm256_and_si256(_mm256_srli_epi32(w0, 8 * s), six);
-          min = _mm256_and_si256(_mm256_srli_epi32(w1, 8 * s), six);
+          scale = v_and(v_srl32(w0, 8 * s), six);
+          min = v_and(v_srl32(w1, 8 * s), six);
         } else {
           const int u = 8 * (s - 4);
-          scale = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, u), four),
-                                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, u + 6), two), 4));
-          min = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, u + 4), four),
-                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, u + 6), two), 4));
+          scale = v_or(v_and(v_srl32(w2, u), four), v_sll32(v_and(v_srl32(w0, u + 6), two), 4));
+          min = v_or(v_and(v_srl32(w2, u + 4), four), v_sll32(v_and(v_srl32(w1, u + 6), two), 4));
         }
-        const __m256 d = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(scale));
-        const __m256 m = _mm256_xor_ps(_mm256_mul_ps(dmin8, _mm256_cvtepi32_ps(min)), negative);
-        __m256i w[8];
+        const GroupF d = v_mul(d8, v_cvt(scale));
+        const GroupF m = v_neg(v_mul(dmin8, v_cvt(min)));
+        GroupI w[8];
 #pragma GCC unroll 8
         for (int p = 0; p < 8; ++p) {
-          w[p] = _mm256_and_si256(h == 0 ? v[p] : _mm256_srli_epi16(v[p], 4), low4);
+          w[p] = v_and(h == 0 ? v[p] : v_srl16(v[p], 4), low4);
           if constexpr (QT == kQ5_K) {  // bit s of each byte of qh's piece p, moved to bit 4 of its byte
-            const __m256i bit = _mm256_and_si256(load(region_at(QT, 3) + p * 32), _mm256_set1_epi8(1 << s));
-            w[p] = _mm256_or_si256(w[p], s < 4 ? _mm256_slli_epi16(bit, 4 - s) : _mm256_srli_epi16(bit, s - 4));
+            const GroupI bit = v_and(load(region_at(QT, 3) + p * kGroupBytes), v_set1_8<GroupI>(1 << s));
+            w[p] = v_or(w[p], s < 4 ? v_sll16(bit, 4 - s) : v_srl16(bit, s - 4));
           }
         }
         const int64_t g = sb * 8 + s;
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
+          const GroupF sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
             return sums_unsigned<QT == kQ5_K ? 31 : 15>(w, reinterpret_cast<const int32_t*>(x));
           });
           const int64_t at = xr.at(r0 + r, g);
-          acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(xr.dx[at])), acc[r]);
-          acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.sx[at]), acc[r]);
+          acc[r] = v_fmadd(sum, v_mul(d, v_set1<GroupF>(xr.dx[at])), acc[r]);
+          acc[r] = v_fmadd(m, v_set1<GroupF>(xr.sx[at]), acc[r]);
         }
       }
     }
@@ -789,63 +976,58 @@ void tile_k4_x8_avx2(const uint8_t* group, int valid, int64_t k, const Quantized
   store_rows<R>(acc, valid, y, ldy);
 }
 
-// tile_x8_avx2 for Q6_K: a sub-block's quants from 8 pieces of ql and 8 of qh; each half of 16 inputs summed in
-// int16 (4 * 2 * 32 * 127 fits) and multiplied by its 8 rows' int8 scales in vpmaddwd.
+// tile_group for Q6_K: a sub-block's quants from 8 pieces of ql and 8 of qh; each half of 16 inputs summed in
+// int16 (4 * 2 * 32 * 127 fits) and multiplied by its rows' int8 scales in vpmaddwd.
 template <int R, bool Wide>
-void tile_q6k_x8_avx2(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
-                      int64_t ldy, bool stream) {
+void tile_group_q6k(const uint8_t* group, int valid, int64_t k, const QuantizedRows& xr, int64_t r0, float* y,
+                    int64_t ldy, bool stream) {
   constexpr int64_t block_bytes = quant_block_bytes(kQ6_K);
   const int64_t blocks = k / 256;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0xf), low2 = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+  GroupF acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = v_zero<GroupF>();
+  const GroupI low4 = v_set1_8<GroupI>(0xf), low2 = v_set1_8<GroupI>(3), offset = v_set1_8<GroupI>(32);
   for (int64_t sb = 0; sb < blocks; ++sb) {
     const uint8_t* b = group + sb * kInterleavedRows * block_bytes;
     if (stream) prefetch_ahead(b, kInterleavedRows * block_bytes);
-    const auto load = [b](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + offset)); };
-    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + region_at(kQ6_K, 3))));
+    const auto load = [b](int64_t offset) { return v_load<GroupI>(b + offset); };
+    const GroupF d8 = v_halves<GroupF>(b + region_at(kQ6_K, 3));
     for (int s = 0; s < 8; ++s) {
       const int half = s / 4, t = s % 4;
-      __m256i q[8];
+      GroupI q[8];
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
-        const __m256i ql = load(region_at(kQ6_K, 0) + (16 * half + 8 * (t % 2) + p) * 32);
-        const __m256i qh = load(region_at(kQ6_K, 1) + (8 * half + p) * 32);
-        const __m256i lowbits = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
-        const __m256i highbits = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), low2);
-        q[p] = _mm256_sub_epi8(_mm256_or_si256(lowbits, _mm256_slli_epi16(highbits, 4)), offset);
+        const GroupI ql = load(region_at(kQ6_K, 0) + (16 * half + 8 * (t % 2) + p) * kGroupBytes);
+        const GroupI qh = load(region_at(kQ6_K, 1) + (8 * half + p) * kGroupBytes);
+        const GroupI lowbits = v_and(t < 2 ? ql : v_srl16(ql, 4), low4);
+        const GroupI highbits = v_and(v_srl16(qh, 2 * t), low2);
+        q[p] = v_sub8(v_or(lowbits, v_sll16(highbits, 4)), offset);
       }
-      // The 8 rows' scales of inputs 0-15 and 16-31, each row's twice (its two int16 lanes).
-      __m256i scales[2];
+      // The rows' scales of inputs 0-15 and 16-31 (of the 16 scales, index 8 * half + 2 * t + i; the group's rows
+      // side by side), each in both int16 halves of its row's lane.
+      GroupI scales[2];
       for (int i = 0; i < 2; ++i) {
-        const int64_t index = 8 * half + 2 * t + i;  // of the 16 scales; the 8 rows' side by side
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + region_at(kQ6_K, 2) + 8 * index));
-        const __m128i words = _mm_cvtepi8_epi16(bytes);
-        scales[i] = _mm256_set_m128i(_mm_unpackhi_epi16(words, words), _mm_unpacklo_epi16(words, words));
+        scales[i] = v_scale_pairs<GroupI>(b + region_at(kQ6_K, 2) + kInterleavedRows * (8 * half + 2 * t + i));
       }
       const int64_t g = sb * 8 + s;
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m256 sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
+        const GroupF sum = digit_sums<Wide>(xr, (r0 + r) * k + g * kSub, [&](const int8_t* x) {
           const auto* xq = reinterpret_cast<const int32_t*>(x);
-          __m256i isum = _mm256_setzero_si256();
+          GroupI isum = v_zero<GroupI>();
           for (int i = 0; i < 2; ++i) {
-            __m256i pairs = _mm256_setzero_si256();
+            GroupI pairs = v_zero<GroupI>();
 #pragma GCC unroll 4
             for (int p = 4 * i; p < 4 * i + 4; ++p) {
-              const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[p]), q[p]);
-              pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_sign_epi8(q[p], q[p]), xs));
+              GroupI aq, sx;
+              v_abs_signed(q[p], v_bcast32(pairs, xq + p), &aq, &sx);
+              pairs = v_add16(pairs, v_maddubs(aq, sx));
             }
-#if defined(RILL_QUANT_VNNI)
-            isum = _mm256_dpwssd_epi32(isum, pairs, scales[i]);
-#else
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, scales[i]));
-#endif
+            isum = v_dpwssd(isum, pairs, scales[i]);
           }
           return isum;
         });
         const int64_t at = xr.at(r0 + r, g);
-        acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d8, _mm256_set1_ps(xr.dx[at])), acc[r]);
+        acc[r] = v_fmadd(sum, v_mul(d8, v_set1<GroupF>(xr.dx[at])), acc[r]);
       }
     }
   }
@@ -861,11 +1043,11 @@ void tile_int8_rows_avx2(int rows, const uint8_t* w, int64_t row_bytes, int vali
     }
   }
   if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    tile_k4_x8_avx2<QT, R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
+    tile_group_k4<QT, R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
   } else if constexpr (QT == kQ6_K) {
-    tile_q6k_x8_avx2<R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
+    tile_group_q6k<R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
   } else if constexpr (quant_interleaved(QT, kActInt8)) {
-    tile_x8_avx2<QT, R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
+    tile_group<QT, R, Wide>(w, valid, k, xq, r0, y, ldy, stream);
   } else {
     tile_int8_avx2<QT, R, Wide>(w, row_bytes, valid, k, xq, r0, y, ldy);
   }
@@ -881,11 +1063,12 @@ void part_rows(const uint8_t* part, int64_t k, int64_t activations, const Quanti
   const int64_t row_bytes = k / kBlockElems<QT> * quant_block_bytes(QT);
 #if defined(RILL_QUANT_AVX2)
   if (!portable && activations != kActFloat32) {
-    static_assert(kTileRows == kInterleavedRows, "an int8 tile's weight rows are one interleaved group");
     const auto tile = activations == kActInt16 ? tile_int8_rows_avx2<QT, kInt8Rows, true>
                                                : tile_int8_rows_avx2<QT, kInt8Rows, false>;
-    for (int64_t j = w_begin; j < w_end; j += kTileRows) {
-      const int valid = static_cast<int>(std::min<int64_t>(kTileRows, w_end - j));
+    // An integer tile's weight rows: one interleaved group, or kTileRows rows kept row by row.
+    const int64_t step = quant_interleaved(QT, activations) ? kInterleavedRows : kTileRows;
+    for (int64_t j = w_begin; j < w_end; j += step) {
+      const int valid = static_cast<int>(std::min<int64_t>(step, w_end - j));
       for (int64_t r = r_begin; r < r_end; r += kInt8Rows) {
         const int rows = static_cast<int>(std::min<int64_t>(kInt8Rows, r_end - r));
         tile(rows, part + j * row_bytes, row_bytes, valid, k, xq, r, y + r * ldy + column + j, ldy, r == r_begin);
@@ -984,7 +1167,7 @@ void quantized_linear(const float* x, const uint8_t* packed, float* y, int64_t m
   QuantHeader header;
   std::memcpy(&header, packed, sizeof header);
   QuantizedRows xq;
-  prepare_rows(x, m, k, header.activations, &xq, num_threads);
+  prepare_rows(x, m, k, header.activations, &xq, num_threads, portable);
   // Tasks: (a block of x rows) x (a chunk of weight rows of one part), in part order.
   struct Task {
     int64_t part, w_begin, w_end, r_begin, r_end, column;
